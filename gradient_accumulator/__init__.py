@@ -1,0 +1,17 @@
+"""Exact gradient accumulation for TensorFlow / Keras 3."""
+
+from gradient_accumulator import _backend  # noqa: F401  (fails on other backends)
+from gradient_accumulator._version import __version__
+from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
+from gradient_accumulator.model import GradientAccumulateModel
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+
+__all__ = [
+    "Accumulator",
+    "GradientAccumulateModel",
+    "GradientAccumulateOptimizer",
+    "__version__",
+    "adaptive_clip_grad",
+    "unitwise_norm",
+]

@@ -1,0 +1,215 @@
+"""``GradientAccumulateModel``: a ``keras.Model`` whose ``fit`` accumulates."""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import tensorflow as tf
+from keras.src.losses.loss import apply_mask, unscale_loss_for_distribution
+
+from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.loss_scale import apply_gradients, loss_scale
+from gradient_accumulator.validation import check_accum_steps, warn_unneeded
+
+_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
+class GradientAccumulateModel(keras.Model):
+    """A Keras model that applies one optimizer update per ``accum_steps``
+    micro-batches, with the gradient of the concatenated big batch.
+
+    Build it like a functional model (or subclass it) and train with ``fit``:
+    ``fit(x, y, batch_size=8)`` with ``accum_steps=4`` trains like
+    ``batch_size=32`` while holding 8 samples in memory.
+
+    Each micro-batch is weighted by the denominator Keras' loss reduction uses
+    for it (its number of samples, or of unmasked loss entries under a mask),
+    so padded sequences, sample weights and a short last micro-batch all give
+    exactly the big batch's gradient. With several loss terms, micro-batches
+    are weighted by their number of samples (exact unless the outputs' masks
+    differ). ``optimizer.iterations``, learning-rate schedules, clipping,
+    weight decay and EMA all advance once per update.
+
+    Args:
+        accum_steps: micro-batches per optimizer update, an ``int >= 1``.
+            ``1`` is plain Keras training.
+        mixed_precision: accepted for gradient-accumulator 0.5.x
+            compatibility and ignored: loss scaling is handled automatically.
+        use_agc: apply adaptive gradient clipping to the accumulated gradient.
+        clip_factor: adaptive gradient clipping factor (``> 0``).
+        eps: adaptive gradient clipping epsilon (``> 0``).
+        experimental_distributed_support: accepted for 0.5.x compatibility and
+            ignored.
+        *args, **kwargs: passed to ``keras.Model`` (``inputs``, ``outputs``,
+            ``name``, ...).
+
+    Example:
+
+    >>> import keras, numpy as np
+    >>> from gradient_accumulator import GradientAccumulateModel
+    >>> inputs = keras.Input((4,))
+    >>> outputs = keras.layers.Dense(1)(inputs)
+    >>> model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
+    >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
+    1
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        mixed_precision: bool = False,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        experimental_distributed_support: bool = False,
+        *args,
+        **kwargs,
+    ):
+        check_accum_steps(accum_steps)
+        warn_unneeded(
+            "mixed_precision",
+            mixed_precision,
+            False,
+            "loss scaling is detected from the optimizer that compile() builds.",
+        )
+        warn_unneeded(
+            "experimental_distributed_support",
+            experimental_distributed_support,
+            False,
+            "tf.distribute strategies are always supported.",
+        )
+        accumulator = Accumulator(
+            accum_steps,
+            track=self._track_state,
+            name="accumulator",
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+        )
+        super().__init__(*args, **kwargs)
+        self._accumulator = accumulator
+        if self.built:
+            self._accumulator.build(self.trainable_variables)
+
+    # ----------------------------------------------------------------- config
+    @property
+    def accum_steps(self) -> int:
+        return self._accumulator.accum_steps
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            accum_steps=self._accumulator.accum_steps,
+            use_agc=self._accumulator.use_agc,
+            clip_factor=self._accumulator.clip_factor,
+            eps=self._accumulator.eps,
+        )
+        return config
+
+    def _track_state(self, variable):
+        # Keras locks a built model's variable list; the accumulation state is
+        # created after that, for subclassed models at the first train step.
+        locked = self._tracker.locked
+        self._tracker.unlock()
+        self._track_variable(variable)
+        if locked:
+            self._tracker.lock()
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, data):
+        accumulator = self._accumulator
+        if accumulator.accum_steps == 1 and not accumulator.use_agc:
+            return super().train_step(data)
+        if not accumulator.built:
+            with tf.init_scope():
+                accumulator.build(self.trainable_variables)
+
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            if self._call_has_training_arg:
+                y_pred = self(x, training=True)
+            else:
+                y_pred = self(x)
+            loss = self._compute_loss(
+                x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+            )
+            # Keras divides each replica's loss by the replica count so that a
+            # sum of replica gradients is a mean. The engine divides by the
+            # summed micro-batch weights itself, so differentiate the per-replica
+            # loss as it is.
+            loss = unscale_loss_for_distribution(loss)
+            self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+            objective = self.optimizer.scale_loss(loss)
+
+        variables = self.trainable_weights
+        grads = tape.gradient(objective, variables)
+        weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
+        scale = loss_scale(self.optimizer)
+        accumulator.step(
+            grads,
+            variables,
+            # Unscaling here keeps every micro-batch's sum in the same units.
+            weight if scale is None else weight / scale,
+            apply_fn=lambda g: apply_gradients(self.optimizer, g, variables),
+            # A loss-scale optimizer must see overflows to lower its scale.
+            skip_non_finite=scale is None,
+            count=count,
+        )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _micro_batch_weight(self, x, y_pred, sample_weight):
+        """This micro-batch's share of the big batch's loss denominator.
+
+        Returns ``(weight, count)`` for :meth:`Accumulator.step`.
+        """
+        batch = tf.cast(_batch_size(x), tf.float32)
+        terms = getattr(self._compile_loss, "_flat_losses", None) or []
+        if len(terms) != 1:
+            if any(_mask_of(_at(y_pred, t.path)) is not None for t in terms):
+                warnings.warn(
+                    "GradientAccumulateModel: several loss terms with masks. "
+                    "Micro-batches are weighted by their number of samples, "
+                    "which is exact only if every output masks alike.",
+                    stacklevel=2,
+                )
+            return batch, batch
+        term = terms[0]
+        reduction = getattr(term.loss, "reduction", "sum_over_batch_size")
+        mask = _mask_of(_at(y_pred, term.path))
+        if reduction == "sum":
+            # The big batch's loss is the plain sum of the micro-batches'.
+            return tf.constant(1.0), tf.constant(1.0 / self.accum_steps)
+        if reduction == "mean_with_sample_weight" and sample_weight is not None:
+            weights = apply_mask(
+                _at(sample_weight, term.path)
+                if tf.nest.is_nested(sample_weight)
+                else sample_weight,
+                mask,
+                dtype="float32",
+                reduction=reduction,
+            )
+            total = tf.reduce_sum(tf.cast(weights, tf.float32))
+            return total, total
+        if reduction in _MEAN_REDUCTIONS and mask is not None:
+            valid = tf.reduce_sum(tf.cast(mask, tf.float32))
+            return valid, valid
+        return batch, batch
+
+
+def _batch_size(x):
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def _at(structure, path):
+    for key in path:
+        structure = structure[key]
+    return structure
+
+
+def _mask_of(tensor):
+    return getattr(tensor, "_keras_mask", None)

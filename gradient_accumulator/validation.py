@@ -1,0 +1,51 @@
+"""Argument checks shared by the public constructors."""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+
+def check_accum_steps(accum_steps, name: str = "accum_steps") -> int:
+    """Returns ``accum_steps`` as an ``int >= 1`` or raises a clear error."""
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
+        raise TypeError(
+            f"`{name}` must be an integer >= 1 (the number of micro-batches per "
+            f"optimizer update). Received: {name}={accum_steps!r} "
+            f"of type {type(accum_steps).__name__}."
+        )
+    if accum_steps < 1:
+        raise ValueError(
+            f"`{name}` must be an integer >= 1 (the number of micro-batches per "
+            f"optimizer update). Received: {name}={accum_steps!r}."
+        )
+    return int(accum_steps)
+
+
+def check_positive_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"`{name}` must be a positive number. Received: {name}={value!r}."
+        )
+    if not value > 0:
+        raise ValueError(
+            f"`{name}` must be a positive number. Received: {name}={value!r}."
+        )
+    return float(value)
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}.")
+    return value
+
+
+def warn_unneeded(name: str, value, default, why: str) -> None:
+    """Accepts a 0.5.x keyword that is no longer needed, warning when set."""
+    check_bool(name, value) if isinstance(default, bool) else None
+    if value != default:
+        warnings.warn(
+            f"`{name}` is no longer needed and is ignored: {why}",
+            DeprecationWarning,
+            stacklevel=3,
+        )
