@@ -130,10 +130,7 @@ class GradientAccumulateModel(keras.Model):
 
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
-            if self._call_has_training_arg:
-                y_pred = self(x, training=True)
-            else:
-                y_pred = self(x)
+            y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )

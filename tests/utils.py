@@ -1,0 +1,68 @@
+"""Shared helpers: the reference is always plain Keras on the big batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import keras
+import numpy as np
+
+# float32 with deterministic ops: accumulation reorders sums, nothing more.
+ATOL = 2e-5
+
+
+def seeded(build: Callable[[], keras.Model], seed: int = 0) -> keras.Model:
+    """Calls ``build`` with all Keras/NumPy/TF seeds set, so that two calls
+    give identical initial weights."""
+    keras.utils.set_random_seed(seed)
+    return build()
+
+
+def mlp_layers(inputs_dim: int = 8, classes: int = 3):
+    """(inputs, outputs) of a small MLP, for functional models."""
+    inputs = keras.Input((inputs_dim,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    outputs = keras.layers.Dense(classes)(hidden)
+    return inputs, outputs
+
+
+def cnn_layers(shape=(8, 8, 1), classes: int = 3):
+    inputs = keras.Input(shape)
+    h = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    outputs = keras.layers.Dense(classes)(h)
+    return inputs, outputs
+
+
+def classification_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, dim)).astype("float32")
+    y = rng.integers(0, classes, size=n)
+    return x, y
+
+
+def weights(model: keras.Model) -> list[np.ndarray]:
+    """The model's trainable weights as NumPy arrays."""
+    return [np.asarray(w) for w in model.trainable_weights]
+
+
+def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert len(a) == len(b), (len(a), len(b))
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def assert_same_weights(a, b, atol: float = ATOL) -> float:
+    """Asserts two weight lists agree within ``atol``; returns the max diff.
+
+    Also asserts that training moved the weights at all is the caller's job
+    (see ``assert_trained``)."""
+    diff = max_abs_diff(a, b)
+    assert diff <= atol, f"max |w_accum - w_bigbatch| = {diff:.3g} > {atol:g}"
+    return diff
+
+
+def assert_trained(before, after, min_change: float = 1e-4) -> None:
+    """Guards equivalence tests against comparing two untouched models."""
+    change = max_abs_diff(before, after)
+    assert change > min_change, f"weights moved by only {change:.3g}"
