@@ -19,6 +19,7 @@ which makes the applied gradient exactly the big batch's.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import keras
@@ -174,6 +175,11 @@ class Accumulator(tf.Module):
         Returns:
             A scalar bool tensor, True on micro-batches that ended a cycle.
         """
+        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            raise NotImplementedError(
+                "gradient_accumulator does not yet support tf.distribute "
+                "strategies with more than one replica; train on one device."
+            )
         buffers = self._buffers_for(variables)
         weight = tf.cast(weight, tf.float32)
         for grad, buffer in zip(grads, buffers):
@@ -183,10 +189,17 @@ class Accumulator(tf.Module):
         self.weight_sum.value.assign_add(count)
         present = [g is not None for g in grads]
         context = tf.distribute.get_replica_context()
-        return context.merge_call(
+        # A closure, not merge_call args: args are regrouped per replica, and
+        # the (identical) mirrored objects are wanted, not PerReplica bundles.
+        end = functools.partial(
             self._end_micro_step,
-            args=(variables, buffers, present, apply_fn, skip_non_finite),
+            variables=variables,
+            buffers=buffers,
+            present=present,
+            apply_fn=apply_fn,
+            skip_non_finite=skip_non_finite,
         )
+        return context.merge_call(end)
 
     def _buffers_for(self, variables):
         try:
