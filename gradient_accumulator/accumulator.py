@@ -152,8 +152,9 @@ class Accumulator(tf.Module):
         variables: Sequence[keras.Variable],
         weight,
         apply_fn: ApplyFn,
-        skip_non_finite: bool = True,
         count=None,
+        on_apply: Callable[[], None] | None = None,
+        on_skip: Callable[[], None] | None = None,
     ) -> tf.Tensor:
         """Adds one micro-batch; applies and resets at the end of a cycle.
 
@@ -162,24 +163,21 @@ class Accumulator(tf.Module):
                 none), in the order of ``variables``.
             variables: the trainable variables the gradients belong to.
             weight: a scalar, this micro-batch's weight ``w_k``.
-            apply_fn: called, in cross-replica context, with the list of
-                accumulated gradients (``None`` kept in place) on the last
-                micro-batch of a cycle.
-            skip_non_finite: skip a cycle whose accumulated gradient holds a
-                NaN or Inf. Pass False when ``apply_fn`` makes that choice
-                itself (a ``LossScaleOptimizer`` lowers its scale then).
+            apply_fn: called on the last micro-batch of a cycle, in replica
+                context, with the accumulated gradients (``None`` kept in
+                place), already summed over replicas: it must not all-reduce
+                again (see ``distributed.already_reduced``).
             count: what this micro-batch adds to the divisor; defaults to
                 ``weight``. The gradient applied is
                 ``sum(weight * grad) / sum(count)``.
+            on_apply: called, in cross-replica context, after ``apply_fn``.
+            on_skip: called, in cross-replica context, instead of ``apply_fn``
+                when the accumulated gradient holds a NaN or an Inf. The
+                cycle is dropped either way.
 
         Returns:
             A scalar bool tensor, True on micro-batches that ended a cycle.
         """
-        if tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            raise NotImplementedError(
-                "gradient_accumulator does not yet support tf.distribute "
-                "strategies with more than one replica; train on one device."
-            )
         buffers = self._buffers_for(variables)
         weight = tf.cast(weight, tf.float32)
         for grad, buffer in zip(grads, buffers):
@@ -197,7 +195,8 @@ class Accumulator(tf.Module):
             buffers=buffers,
             present=present,
             apply_fn=apply_fn,
-            skip_non_finite=skip_non_finite,
+            on_apply=on_apply or _nothing,
+            on_skip=on_skip or _nothing,
         )
         return context.merge_call(end)
 
@@ -212,21 +211,43 @@ class Accumulator(tf.Module):
             ) from error
 
     def _end_micro_step(
-        self, strategy, variables, buffers, present, apply_fn, skip_non_finite
+        self, strategy, variables, buffers, present, apply_fn, on_apply, on_skip
     ):
-        # Runs in cross-replica context so that the all-reduce and the
-        # optimizer's own merge_calls are legal inside the conditional
-        # (TensorFlow forbids merge_call inside a replica-context tf.cond).
-        del strategy
+        # Runs in cross-replica context: TensorFlow forbids merge_call (which
+        # the all-reduce and Keras' optimizer use) inside a tf.cond in replica
+        # context, so the conditionals live here and the optimizer is driven
+        # back in replica context, as Keras' LossScaleOptimizer does.
         is_update = self.micro_step + 1 >= self.accum_steps
+        replicated = strategy.num_replicas_in_sync > 1
 
         def update():
-            grads = self._mean_gradients(variables, buffers, present)
-            if skip_non_finite:
-                tf.cond(all_finite(grads), lambda: _call(apply_fn, grads), _nothing)
+            if replicated:
+                # One all-reduce per update: every buffer and the weight sum
+                # packed into a single vector.
+                local = strategy.extended.call_for_each_replica(
+                    _pack, args=(buffers, present, self.weight_sum)
+                )
+                total = strategy.extended.reduce_to(
+                    tf.distribute.ReduceOp.SUM, local, destinations=local
+                )
+                finite = all_finite(strategy.experimental_local_results(total))
             else:
-                apply_fn(grads)
-            self._reset()
+                total = None
+                finite = all_finite([self.weight_sum.value, *buffers])
+
+            def apply():
+                strategy.extended.call_for_each_replica(
+                    self._apply_mean,
+                    args=(total, variables, buffers, present, apply_fn),
+                )
+                on_apply()
+
+            tf.cond(finite, apply, lambda: _call(on_skip))
+            if replicated:
+                strategy.extended.call_for_each_replica(self._reset_local)
+            else:
+                self._reset_local()
+            self.micro_step.assign(0)
 
         def accumulate():
             self.micro_step.assign_add(1)
@@ -234,20 +255,35 @@ class Accumulator(tf.Module):
         tf.cond(is_update, update, accumulate)
         return is_update
 
-    def _mean_gradients(self, variables, buffers, present):
-        weight_sum = tf.convert_to_tensor(self.weight_sum.value)
+    def _apply_mean(self, total, variables, buffers, present, apply_fn) -> None:
+        if total is None:
+            sums = [tf.convert_to_tensor(b.value) for b in buffers]
+            weight_sum = tf.convert_to_tensor(self.weight_sum.value)
+        else:
+            sums, weight_sum = _unpack(total, buffers)
         grads = [
-            tf.math.divide_no_nan(tf.convert_to_tensor(b.value), weight_sum)
-            if p
-            else None
-            for b, p in zip(buffers, present)
+            tf.math.divide_no_nan(g, weight_sum) if p else None
+            for g, p in zip(sums, present)
         ]
         if self.use_agc:
             grads = adaptive_clip_grad(variables, grads, self.clip_factor, self.eps)
-        return grads
+        apply_fn(grads)
 
-    def _reset(self) -> None:
+    def _reset_local(self) -> None:
         for buffer in self.grad_sums:
             buffer.value.assign(tf.zeros_like(buffer.value))
         self.weight_sum.value.assign(0.0)
-        self.micro_step.assign(0)
+
+
+def _pack(buffers, present, weight_sum) -> tf.Tensor:
+    parts = [tf.reshape(b.value, [-1]) for b, p in zip(buffers, present) if p]
+    return tf.concat([*parts, tf.reshape(weight_sum.value, [1])], axis=0)
+
+
+def _unpack(total: tf.Tensor, buffers) -> tuple[list[tf.Tensor | None], tf.Tensor]:
+    sums, offset = [], 0
+    for buffer in buffers:
+        size = buffer.shape.num_elements()
+        sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
+        offset += size
+    return sums, total[offset]

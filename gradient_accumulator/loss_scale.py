@@ -4,19 +4,19 @@ Keras' ``LossScaleOptimizer`` checks every gradient it is given for NaN/Inf
 and grows its scale after ``dynamic_growth_steps`` finite calls. Accumulation
 must instead unscale each micro-batch's gradient before adding it (so that the
 float32 sums are in one unit whatever the scale), check the *accumulated*
-gradient once per update, and count updates, not micro-batches, towards growth.
-This module does that with the optimizer's own scale variables, so the state
-stays the optimizer's and is saved with it.
+gradient once per update (the engine does), and count updates, not
+micro-batches, towards growth. This module does that with the optimizer's own
+scale variables, so the state stays the optimizer's and is saved with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 import tensorflow as tf
 
-from gradient_accumulator.accumulator import all_finite
+from gradient_accumulator.distributed import already_reduced
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -29,23 +29,26 @@ def loss_scale(optimizer) -> tf.Tensor | None:
 
 
 def apply_gradients(optimizer, grads: Sequence, variables: Sequence) -> None:
-    """Applies already-unscaled, accumulated ``grads`` with ``optimizer``.
-
-    Called once per update, in cross-replica context. For a
-    ``LossScaleOptimizer`` a non-finite gradient skips the update and halves
-    the scale; a finite one updates through the inner optimizer and counts
-    towards the scale's growth.
-    """
-    if not isinstance(optimizer, LossScaleOptimizer):
+    """Applies unscaled, accumulated, replica-summed ``grads`` (replica context)."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    with already_reduced(optimizer):
         optimizer.apply(list(grads), list(variables))
-        return
 
-    def finite() -> None:
-        optimizer.inner_optimizer.apply(list(grads), list(variables))
+
+def scale_hooks(
+    optimizer,
+) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
+    """``(on_apply, on_skip)`` engine hooks that keep a dynamic loss scale:
+    grow after ``dynamic_growth_steps`` finite updates, halve on overflow."""
+    if not isinstance(optimizer, LossScaleOptimizer):
+        return None, None
+
+    def on_apply() -> None:
         grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
         tf.cond(grow, lambda: _rescale(optimizer, 2.0), lambda: _count(optimizer))
 
-    tf.cond(all_finite(grads), finite, lambda: _rescale(optimizer, 0.5))
+    return on_apply, lambda: _rescale(optimizer, 0.5)
 
 
 def _rescale(optimizer, factor: float) -> None:

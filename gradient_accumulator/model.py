@@ -9,7 +9,7 @@ import tensorflow as tf
 from keras.src.losses.loss import apply_mask, unscale_loss_for_distribution
 
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.loss_scale import apply_gradients, loss_scale
+from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import check_accum_steps, warn_unneeded
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
@@ -146,15 +146,16 @@ class GradientAccumulateModel(keras.Model):
         grads = tape.gradient(objective, variables)
         weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
         scale = loss_scale(self.optimizer)
+        on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             grads,
             variables,
             # Unscaling here keeps every micro-batch's sum in the same units.
             weight if scale is None else weight / scale,
             apply_fn=lambda g: apply_gradients(self.optimizer, g, variables),
-            # A loss-scale optimizer must see overflows to lower its scale.
-            skip_non_finite=scale is None,
             count=count,
+            on_apply=on_apply,
+            on_skip=on_skip,
         )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 

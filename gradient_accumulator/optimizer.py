@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.loss_scale import apply_gradients, loss_scale
+from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import check_accum_steps, warn_unneeded
 
 _REDUCTIONS = ("MEAN", "SUM")
@@ -169,13 +169,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 accumulated = [None if g is None else g * factor for g in accumulated]
             apply_gradients(self.inner_optimizer, accumulated, variables)
 
+        on_apply, on_skip = scale_hooks(self.inner_optimizer)
         self._accumulator.step(
             grads,
             variables,
             weight,
             apply_fn=apply_fn,
-            skip_non_finite=scale is None,
             count=1.0,
+            on_apply=on_apply,
+            on_skip=on_skip,
         )
 
     def get_config(self):
