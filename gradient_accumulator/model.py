@@ -7,6 +7,9 @@ import warnings
 import keras
 import tensorflow as tf
 from keras.src.losses.loss import apply_mask, unscale_loss_for_distribution
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
+from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
 
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
@@ -90,7 +93,10 @@ class GradientAccumulateModel(keras.Model):
             clip_factor=clip_factor,
             eps=eps,
         )
-        super().__init__(*args, **kwargs)
+        if functional_init_arguments(args, kwargs):
+            _init_functional(self, super().__init__, args, kwargs)
+        else:
+            super().__init__(*args, **kwargs)
         self._accumulator = accumulator
         if self.built:
             self._accumulator.build(self.trainable_variables)
@@ -110,6 +116,13 @@ class GradientAccumulateModel(keras.Model):
         )
         return config
 
+    def load_own_variables(self, store):
+        # A subclassed model creates its state at its first train step; a
+        # fresh one being loaded from a file that holds state needs it now.
+        if not self._accumulator.built and len(store.keys()) > len(self.weights):
+            self._accumulator.build(self.trainable_variables)
+        super().load_own_variables(store)
+
     def _track_state(self, variable):
         # Keras locks a built model's variable list; the accumulation state is
         # created after that, for subclassed models at the first train step.
@@ -124,10 +137,6 @@ class GradientAccumulateModel(keras.Model):
         accumulator = self._accumulator
         if accumulator.accum_steps == 1 and not accumulator.use_agc:
             return super().train_step(data)
-        if not accumulator.built:
-            with tf.init_scope():
-                accumulator.build(self.trainable_variables)
-
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
@@ -143,6 +152,10 @@ class GradientAccumulateModel(keras.Model):
             objective = self.optimizer.scale_loss(loss)
 
         variables = self.trainable_weights
+        if not accumulator.built:
+            # A subclassed model creates its variables in the forward pass.
+            with tf.init_scope():
+                accumulator.build(variables)
         grads = tape.gradient(objective, variables)
         weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
         scale = loss_scale(self.optimizer)
@@ -196,6 +209,40 @@ class GradientAccumulateModel(keras.Model):
             valid = tf.reduce_sum(tf.cast(mask, tf.float32))
             return valid, valid
         return batch, batch
+
+
+_functional_variants: dict[type, type] = {}
+
+
+def _init_functional(model, init, args, kwargs) -> None:
+    """Runs Keras' functional construction without rebasing our classes.
+
+    ``keras.Model.__init__`` makes a subclass functional by rewriting the
+    class's ``__bases__`` to ``Functional`` for the whole process, after which
+    subclassing without ``inputs``/``outputs`` fails. Build as Keras does, put
+    the classes back, and give this instance a private class that derives from
+    both the user's class and ``Functional``.
+    """
+    cls = type(model)
+    bases = {
+        c: c.__bases__ for c in cls.__mro__ if issubclass(c, GradientAccumulateModel)
+    }
+    try:
+        init(*args, **kwargs)
+    finally:
+        for klass, original in bases.items():
+            if klass.__bases__ != original:
+                klass.__bases__ = original
+    if cls not in _functional_variants:
+        variant = type(
+            cls.__name__,
+            (cls, Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+        )
+        # Saved files must name the public class, which rebuilds the variant.
+        GLOBAL_CUSTOM_NAMES[variant] = keras.saving.get_registered_name(cls)
+        _functional_variants[cls] = variant
+    model.__class__ = _functional_variants[cls]
 
 
 def _batch_size(x):
