@@ -6,9 +6,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
-import keras  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import pytest
+import tensorflow as tf
 
 tf.config.experimental.enable_op_determinism()
 

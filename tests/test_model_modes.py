@@ -1,0 +1,175 @@
+"""Compile/fit modes of GradientAccumulateModel, against plain Keras.
+
+XLA (``jit_compile=True``), ``steps_per_execution`` (cycles crossing
+execution boundaries), ``accum_steps=1`` (must be plain Keras, bit for bit) and
+the loss / metrics that ``fit`` logs (the real training loss, not a loss
+scaled by ``1 / accum_steps``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
+
+from gradient_accumulator import GradientAccumulateModel
+from tests import utils
+
+B = 8  # micro-batch size
+K = 4  # accumulation steps
+EPOCHS = 2
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _report(diff: float) -> float:
+    """Prints the max weight difference (visible with ``pytest -s``)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    print(f"\n[max |w_accum - w_reference|] {test}: {diff:.3g}")
+    return diff
+
+
+def _plain():
+    return keras.Model(*utils.mlp_layers())
+
+
+def _accumulating(accum_steps: int = K):
+    def build():
+        inputs, outputs = utils.mlp_layers()
+        return GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs
+        )
+
+    return build
+
+
+def _fit(model, x, y, batch_size, epochs=EPOCHS):
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
+    )
+
+
+# ---------------------------------------------------------------------- XLA
+def test_jit_compile_matches_big_batch():
+    """With jit_compile=True the XLA-compiled accumulating train step gives
+    the big batch's weights (op determinism is off: Keras refuses XLA with
+    it)."""
+    n = 64
+    x, y = utils.classification_data(n)
+    tf_config.disable_op_determinism()
+    try:
+        reference = utils.seeded(_plain)
+        initial = utils.weights(reference)
+        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+        _fit(reference, x, y, B * K)
+
+        accumulated = utils.seeded(_accumulating())
+        assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
+        accumulated.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss=_loss(), jit_compile=True
+        )
+        assert accumulated.jit_compile is True
+        _fit(accumulated, x, y, B)
+        assert accumulated.jit_compile is True
+    finally:
+        tf.config.experimental.enable_op_determinism()
+
+    utils.assert_trained(initial, utils.weights(reference))
+    utils.assert_trained(initial, utils.weights(accumulated))
+    diff = utils.assert_same_weights(
+        utils.weights(accumulated), utils.weights(reference)
+    )
+    _report(diff)
+    updates = EPOCHS * n // (B * K)
+    assert int(accumulated.optimizer.iterations) == updates
+
+
+# -------------------------------------------------------- steps_per_execution
+def test_steps_per_execution_crosses_cycles():
+    """steps_per_execution=3 with accum_steps=4 (cycles straddle executions)
+    gives the big batch's weights and one update per cycle."""
+    n = 96  # 12 micro-batches per epoch: 4 executions of 3, 3 cycles of 4
+    x, y = utils.classification_data(n)
+    reference = utils.seeded(_plain)
+    initial = utils.weights(reference)
+    reference.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=_loss())
+    _fit(reference, x, y, B * K)
+
+    accumulated = utils.seeded(_accumulating())
+    accumulated.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
+        loss=_loss(),
+        steps_per_execution=3,
+    )
+    _fit(accumulated, x, y, B)
+
+    utils.assert_trained(initial, utils.weights(reference))
+    diff = utils.assert_same_weights(
+        utils.weights(accumulated), utils.weights(reference)
+    )
+    _report(diff)
+    updates = EPOCHS * n // (B * K)
+    assert int(reference.optimizer.iterations) == updates
+    assert int(accumulated.optimizer.iterations) == updates
+
+
+# --------------------------------------------------------- accum_steps = 1
+def test_accum_steps_one_is_plain_keras_bit_for_bit():
+    """accum_steps=1 trains exactly like plain Keras at the same batch size:
+    identical weights, iterations and logged losses."""
+    n = 64
+    x, y = utils.classification_data(n)
+    reference = utils.seeded(_plain)
+    initial = utils.weights(reference)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+    expected = _fit(reference, x, y, B)
+
+    model = utils.seeded(_accumulating(accum_steps=1))
+    assert model.accum_steps == 1
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+    history = _fit(model, x, y, B)
+
+    utils.assert_trained(initial, utils.weights(reference))
+    got, want = utils.weights(model), utils.weights(reference)
+    diff = _report(utils.max_abs_diff(got, want))
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), f"max diff {diff}"
+    assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
+    assert int(model.optimizer.iterations) == EPOCHS * n // B
+    assert history.history["loss"] == expected.history["loss"]
+
+
+# ---------------------------------------------------------- logged metrics
+@pytest.mark.parametrize("n", [64, 28], ids=["full_cycles", "short_last"])
+def test_logged_loss_and_metrics_are_unscaled(n):
+    """With learning rate 0 (weights frozen) the loss and accuracy fit logs
+    equal plain Keras at the micro-batch size: the logged loss is the real
+    loss, not the loss divided by accum_steps."""
+    x, y = utils.classification_data(n)
+    reference = utils.seeded(_plain)
+    initial = utils.weights(reference)
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.0), loss=_loss(), metrics=["accuracy"]
+    )
+    expected = _fit(reference, x, y, B)
+
+    model = utils.seeded(_accumulating())
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.0), loss=_loss(), metrics=["accuracy"]
+    )
+    history = _fit(model, x, y, B)
+
+    # The weights really are frozen, so both runs see the same model.
+    assert utils.max_abs_diff(initial, utils.weights(model)) == 0.0
+    loss, want_loss = history.history["loss"], expected.history["loss"]
+    assert len(loss) == EPOCHS
+    assert min(loss) > 0.1, loss  # a real cross-entropy, not ~0
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_allclose(
+        history.history["accuracy"], expected.history["accuracy"], rtol=1e-6
+    )
