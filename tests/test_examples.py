@@ -1,0 +1,60 @@
+"""Smoke tests: the README's demo and the benchmark run end to end.
+
+Each script runs in a child process exactly as a user would start it, in its
+``--quick`` mode. The benchmark is only checked for its output's shape: its
+timings depend on the machine and are never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
+WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
+TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    return (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
+        f"\n--- stderr ---\n{result.stderr[-4000:]}"
+    )
+
+
+def test_digits_demo_quick_matches_big_batch():
+    result = run_script("examples/digits_demo.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    match = WEIGHT_DIFF.search(result.stdout)
+    assert match, describe(result)
+    assert float(match.group(1)) <= 1e-4, describe(result)
+
+
+def test_overhead_benchmark_quick_prints_table():
+    result = run_script("benchmarks/overhead.py", "--quick", "--models", "mlp")
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith(TABLE_HEADER) for line in lines), describe(result)
+    for variant in ("plain", "ours-model", "ours-optimizer", "keras-builtin"):
+        row = re.compile(rf"^\| mlp \| {variant} \| [0-9.]+ \| ([0-9.]+) \|")
+        assert any(row.match(line) for line in lines), describe(result)
+    assert "target: ours <= 1.03 x plain and <= keras-builtin" in lines, describe(
+        result
+    )
