@@ -122,6 +122,7 @@ class GradientAccumulateModel(keras.Model):
         if not self._accumulator.built and len(store.keys()) > len(self.weights):
             self._accumulator.build(self.trainable_variables)
         super().load_own_variables(store)
+        self._accumulator._restored_accum_steps()
 
     def _track_state(self, variable):
         # Keras locks a built model's variable list; the accumulation state is
@@ -140,6 +141,10 @@ class GradientAccumulateModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
+            if not accumulator.built:
+                # A subclassed model creates its variables in the forward pass.
+                with tf.init_scope():
+                    accumulator.build(self.trainable_weights)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
@@ -149,23 +154,21 @@ class GradientAccumulateModel(keras.Model):
             # loss as it is.
             loss = unscale_loss_for_distribution(loss)
             self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
-            objective = self.optimizer.scale_loss(loss)
+            weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
+            # Weighting the scalar loss rather than the gradients spares a
+            # multiply over every gradient element on every micro-step.
+            objective = self.optimizer.scale_loss(loss * tf.stop_gradient(weight))
 
         variables = self.trainable_weights
-        if not accumulator.built:
-            # A subclassed model creates its variables in the forward pass.
-            with tf.init_scope():
-                accumulator.build(variables)
         grads = tape.gradient(objective, variables)
-        weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
         scale = loss_scale(self.optimizer)
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             grads,
             variables,
-            # Unscaling here keeps every micro-batch's sum in the same units.
-            weight if scale is None else weight / scale,
             apply_fn=lambda g: apply_gradients(self.optimizer, g, variables),
+            # Unscaling here keeps every micro-batch's sum in the same units.
+            weight=None if scale is None else 1.0 / scale,
             count=count,
             on_apply=on_apply,
             on_skip=on_skip,
@@ -192,8 +195,10 @@ class GradientAccumulateModel(keras.Model):
         reduction = getattr(term.loss, "reduction", "sum_over_batch_size")
         mask = _mask_of(_at(y_pred, term.path))
         if reduction == "sum":
-            # The big batch's loss is the plain sum of the micro-batches'.
-            return tf.constant(1.0), tf.constant(1.0 / self.accum_steps)
+            # The big batch's loss is the plain sum of the micro-batches': the
+            # divisor is 1 for the cycle, however many micro-batches it holds.
+            first = tf.equal(self._accumulator.clock.micro_step, 0)
+            return tf.constant(1.0), tf.cast(first, tf.float32)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             weights = apply_mask(
                 _at(sample_weight, term.path)

@@ -135,6 +135,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def _track_state(self, variable):
         self._track_variable(variable)
 
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        self._accumulator._restored_accum_steps()
+
     # ---------------------------------------------------------------- update
     def build(self, var_list):
         if self.built:
@@ -155,27 +159,27 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             return self.inner_optimizer.apply(grads, variables)
 
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1:
-            # Keras divides each replica's loss by the replica count and
-            # expects the optimizer to sum replicas; the engine averages over
-            # all micro-batches of all replicas, so undo the division.
-            grads = [None if g is None else g * replicas for g in grads]
         scale = loss_scale(self.inner_optimizer)
-        weight = 1.0 if scale is None else 1.0 / scale
-        factor = float(self.accum_steps) if self.reduction == "SUM" else None
+        weight = None if scale is None else 1.0 / scale
+        # Keras divides each replica's loss by the replica count and expects
+        # the optimizer to sum replicas; counting each call as 1/replicas
+        # makes the engine's mean over all calls of all replicas undo that.
+        count = 1.0 / replicas
+        if self.reduction == "SUM":
+            # A divisor of 1 per cycle, however many calls the cycle holds.
+            first = tf.equal(self._accumulator.micro_step, 0)
+            count = tf.cast(first, tf.float32) * count
 
         def apply_fn(accumulated):
-            if factor is not None:
-                accumulated = [None if g is None else g * factor for g in accumulated]
             apply_gradients(self.inner_optimizer, accumulated, variables)
 
         on_apply, on_skip = scale_hooks(self.inner_optimizer)
         self._accumulator.step(
             grads,
             variables,
-            weight,
             apply_fn=apply_fn,
-            count=1.0,
+            weight=weight,
+            count=count,
             on_apply=on_apply,
             on_skip=on_skip,
         )
