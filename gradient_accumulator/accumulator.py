@@ -377,7 +377,9 @@ class Accumulator(tf.Module):
         inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
         grads = [g * inverse if g is not None else None for g in sums]
         if self.use_agc:
-            grads = adaptive_clip_grad(group.variables, grads, self.clip_factor, self.eps)
+            grads = adaptive_clip_grad(
+                group.variables, grads, self.clip_factor, self.eps
+            )
         return grads
 
 
