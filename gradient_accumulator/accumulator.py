@@ -287,7 +287,16 @@ class Accumulator(tf.Module):
             A scalar bool tensor, True on micro-batches that ended a cycle;
             ``None`` for a follower, whose leader decides.
         """
-        present = self.add(grads, variables, weight, count)
+        last = None
+        if self._leader is None and not tf.distribute.has_strategy():
+            # Without a strategy the cycle's last micro-batch goes straight
+            # into the applied sums rather than through the buffers (as
+            # Keras' own accumulation does): a write and a read of every
+            # gradient fewer per update.
+            present = [g is not None for g in grads]
+            last = (list(grads), weight, count)
+        else:
+            present = self.add(grads, variables, weight, count)
         group = _Group(
             self, list(variables), self._buffers_for(variables), present, apply_fn
         )
@@ -300,6 +309,7 @@ class Accumulator(tf.Module):
         end = functools.partial(
             self._end_micro_step,
             group=group,
+            last=last,
             on_apply=on_apply or _nothing,
             on_skip=on_skip or _nothing,
         )
@@ -315,7 +325,7 @@ class Accumulator(tf.Module):
                 "again) after changing which layers are trainable."
             ) from error
 
-    def _end_micro_step(self, strategy, group, on_apply, on_skip):
+    def _end_micro_step(self, strategy, group, last, on_apply, on_skip):
         # Runs in cross-replica context: TensorFlow forbids merge_call (which
         # the all-reduce and Keras' optimizer use) inside a tf.cond in replica
         # context, so the conditionals live here and the optimizer is driven
@@ -324,9 +334,11 @@ class Accumulator(tf.Module):
         groups = [group, *self._take_followers()]
 
         def update():
-            self._update(strategy, groups, on_apply, on_skip)
+            self._update(strategy, groups, last, on_apply, on_skip)
 
         def accumulate():
+            if last is not None:
+                self.add(last[0], group.variables, *last[1:])
             self.micro_step.assign_add(1)
 
         tf.cond(is_update, update, accumulate)
@@ -340,7 +352,7 @@ class Accumulator(tf.Module):
                 follower._pending = None
         return groups
 
-    def _update(self, strategy, groups, on_apply, on_skip) -> None:
+    def _update(self, strategy, groups, last, on_apply, on_skip) -> None:
         replicated = strategy.num_replicas_in_sync > 1
         if replicated:
             # One all-reduce per update: every buffer and weight sum of every
@@ -351,14 +363,16 @@ class Accumulator(tf.Module):
             )
             # Every replica holds the same total, so one copy decides for all.
             finite = all_finite(strategy.experimental_local_results(total)[:1])
+            sums = None
         else:
             total = None
-            finite = all_finite(
-                [t for g in groups for t in (g.accumulator.weight_sum.value, *g.live)]
-            )
+            sums = [_read(g, last if i == 0 else None) for i, g in enumerate(groups)]
+            finite = all_finite([t for grads, ws in sums for t in (ws, *grads)])
 
         def apply():
-            strategy.extended.call_for_each_replica(_apply_groups, args=(total, groups))
+            strategy.extended.call_for_each_replica(
+                _apply_groups, args=(groups, total, sums)
+            )
             on_apply()
 
         def skip():
@@ -391,31 +405,54 @@ def _pack(groups: list[_Group]) -> tf.Tensor:
     return tf.concat(parts, axis=0)
 
 
-def _unpack(total: tf.Tensor | None, groups: list[_Group]):
-    """Yields ``(group, sums, weight_sum)``, sums ``None`` where absent."""
+def _read(group: _Group, last) -> tuple[list, tf.Tensor]:
+    """A group's sums and weight sum, plus the not yet added micro-batch
+    ``last = (grads, weight, count)`` if given."""
+    sums = [
+        tf.convert_to_tensor(b.value) if p else None
+        for b, p in zip(group.buffers, group.present)
+    ]
+    weight_sum = tf.convert_to_tensor(group.accumulator.weight_sum.value)
+    if last is None:
+        return sums, weight_sum
+    grads, weight, count = last
+    weight = None if weight is None else tf.cast(weight, tf.float32)
+    sums = [s if g is None else _plus(s, g, weight) for s, g in zip(sums, grads)]
+    if count is None:
+        count = 1.0 if weight is None else weight
+    return sums, weight_sum + tf.cast(count, tf.float32)
+
+
+def _plus(total: tf.Tensor, grad, weight) -> tf.Tensor:
+    if isinstance(grad, tf.IndexedSlices):
+        values = tf.cast(grad.values, tf.float32)
+        values = values if weight is None else values * weight
+        indices = tf.expand_dims(grad.indices, -1)
+        return tf.tensor_scatter_nd_add(total, indices, values)
+    grad = tf.cast(grad, tf.float32)
+    return total + (grad if weight is None else grad * weight)
+
+
+def _unpack(total: tf.Tensor, groups: list[_Group]):
+    """Yields ``(sums, weight_sum)`` per group, sums ``None`` where absent."""
     offset = 0
     for group in groups:
         sums = []
         for buffer, present in zip(group.buffers, group.present):
             if not present:
                 sums.append(None)
-            elif total is None:
-                sums.append(tf.convert_to_tensor(buffer.value))
-            else:
-                size = buffer.shape.num_elements()
-                sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
-                offset += size
-        if total is None:
-            weight_sum = tf.convert_to_tensor(group.accumulator.weight_sum.value)
-        else:
-            weight_sum = total[offset]
-            offset += 1
-        yield group, sums, weight_sum
+                continue
+            size = buffer.shape.num_elements()
+            sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
+            offset += size
+        yield sums, total[offset]
+        offset += 1
 
 
-def _apply_groups(total, groups: list[_Group]) -> None:
-    for group, sums, weight_sum in _unpack(total, groups):
-        group.apply_fn(group.accumulator._mean(sums, weight_sum, group))
+def _apply_groups(groups: list[_Group], total, sums) -> None:
+    items = sums if total is None else _unpack(total, groups)
+    for group, (grads, weight_sum) in zip(groups, items):
+        group.apply_fn(group.accumulator._mean(grads, weight_sum, group))
 
 
 def _reset(groups: list[_Group]) -> None:
