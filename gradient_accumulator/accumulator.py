@@ -11,7 +11,9 @@ tracks (so checkpoints and ``.keras`` files see them):
   the big batch's denominator (usually ``c_k = w_k``);
 * ``micro_step``: how many micro-batches the current cycle holds;
 * ``accum_steps``: micro-batches per cycle (a variable, so a schedule can
-  change it between cycles and a checkpoint restores it).
+  change it between cycles and a checkpoint restores it);
+* ``last_grad_norm`` and ``last_batch``: the global norm of the last applied
+  gradient and how many samples its cycle held, for logs.
 
 On the last micro-batch of a cycle it hands ``grad_sums / weight_sum`` (summed
 over replicas under a ``tf.distribute`` strategy) to the host's ``apply_fn``
@@ -41,15 +43,18 @@ from gradient_accumulator.validation import check_accum_steps, check_positive_fl
 ApplyFn = Callable[[list], None]
 
 
-def all_finite(tensors: Sequence[tf.Tensor | None]) -> tf.Tensor:
-    """A scalar bool tensor: True when no tensor holds a NaN or an Inf."""
-    # One read pass and no boolean temporaries: a NaN or an Inf anywhere makes
-    # the sum non-finite. (A finite sum can only overflow for gradients near
-    # float32's maximum, which no optimizer update survives anyway.)
-    sums = [tf.reduce_sum(t) for t in tensors if t is not None]
-    if not sums:
-        return tf.constant(True)
-    return tf.math.is_finite(tf.add_n(sums))
+def squared_norm(tensors: Sequence[tf.Tensor | None]) -> tf.Tensor:
+    """The sum of squares of all ``tensors``' entries (a float32 scalar).
+
+    One read pass per tensor (``l2_loss`` is a single fused kernel). It is
+    non-finite exactly when some entry is NaN or Inf, or so large (> 1e19) that
+    no optimizer update with it would stay finite, so it doubles as the
+    finite check of an update.
+    """
+    parts = [tf.nn.l2_loss(tf.cast(t, tf.float32)) for t in tensors if t is not None]
+    if not parts:
+        return tf.constant(0.0)
+    return 2.0 * tf.add_n(parts)
 
 
 def _var_key(variable) -> int:
@@ -76,6 +81,11 @@ def _add(buffer: keras.Variable, grad, weight) -> None:
 
 def _nothing() -> None:
     return None
+
+
+def _call(fn, *args) -> None:
+    # tf.cond needs both branches to return the same (here: nothing).
+    fn(*args)
 
 
 @dataclass
@@ -106,6 +116,9 @@ class Accumulator(tf.Module):
         name: prefix for the variables' names.
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
         clip_factor, eps: adaptive gradient clipping parameters.
+        skip_update_fn: optional ``fn(grads, variables) -> bool scalar``
+            called at the end of each cycle with the mean gradient (before
+            AGC); a True result drops the cycle as a non-finite one would.
     """
 
     def __init__(
@@ -116,6 +129,7 @@ class Accumulator(tf.Module):
         use_agc: bool = False,
         clip_factor: float = 0.01,
         eps: float = 1e-3,
+        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
     ):
         super().__init__(name=name)
         self._accum_steps = check_accum_steps(accum_steps)
@@ -124,11 +138,22 @@ class Accumulator(tf.Module):
         self.use_agc = use_agc
         self.clip_factor = check_positive_float("clip_factor", clip_factor)
         self.eps = check_positive_float("eps", eps)
+        if skip_update_fn is not None and not callable(skip_update_fn):
+            raise TypeError(
+                "`skip_update_fn` must be None or a callable "
+                "`fn(grads, variables) -> bool tensor`. "
+                f"Received: skip_update_fn={skip_update_fn!r}."
+            )
+        self.skip_update_fn = skip_update_fn
         self._track = track
         self._prefix = name
         self._leader: Accumulator | None = None
         self._followers: list[Accumulator] = []
         self._pending: _Group | None = None
+        # The structure of the last traced cycle end (groups and hooks), so
+        # that flush() can end a cycle outside the train step.
+        self._last_end: tuple | None = None
+        self._flush_fns: dict = {}
         self.built = False
 
     # ------------------------------------------------------------------ state
@@ -165,6 +190,11 @@ class Accumulator(tf.Module):
             "next_accum_steps", (), "int64", initializer=self._accum_steps, **first
         )
         self.weight_sum = self._new_variable("weight_sum", (), "float32", **local)
+        self.sample_sum = self._new_variable("sample_sum", (), "float32", **local)
+        self.last_grad_norm = self._new_variable(
+            "last_grad_norm", (), "float32", **first
+        )
+        self.last_batch = self._new_variable("last_batch", (), "float32", **first)
         self.grad_sums = [
             self._new_variable(
                 f"{v.path.replace('/', '_')}_grad_sum", v.shape, "float32", **local
@@ -182,6 +212,9 @@ class Accumulator(tf.Module):
             self.accum_steps_variable,
             self.next_accum_steps,
             self.weight_sum,
+            self.sample_sum,
+            self.last_grad_norm,
+            self.last_batch,
             *self.grad_sums,
         ]
 
@@ -237,13 +270,14 @@ class Accumulator(tf.Module):
         variables: Sequence[keras.Variable],
         weight=None,
         count=None,
+        samples=None,
     ) -> list[bool]:
         """Adds one micro-batch to this replica's sums (no communication).
 
         ``sum(weight * grad)`` and ``sum(count)`` grow; ``weight=None`` adds the
         gradients as they are (the host folded the weight into its loss).
-        ``count`` defaults to ``weight`` (``1`` when that is None). Returns
-        which gradients were present.
+        ``count`` defaults to ``weight`` (``1`` when that is None); ``samples``
+        (for logs) to 0. Returns which gradients were present.
         """
         buffers = self._buffers_for(variables)
         if weight is not None:
@@ -254,6 +288,8 @@ class Accumulator(tf.Module):
         if count is None:
             count = 1.0 if weight is None else weight
         self.weight_sum.value.assign_add(tf.cast(count, tf.float32))
+        if samples is not None:
+            self.sample_sum.value.assign_add(tf.cast(samples, tf.float32))
         return [g is not None for g in grads]
 
     def step(
@@ -263,6 +299,7 @@ class Accumulator(tf.Module):
         apply_fn: ApplyFn,
         weight=None,
         count=None,
+        samples=None,
         on_apply: Callable[[], None] | None = None,
         on_skip: Callable[[], None] | None = None,
     ) -> tf.Tensor | None:
@@ -276,12 +313,12 @@ class Accumulator(tf.Module):
                 context, with the accumulated gradients (``None`` kept in
                 place), already summed over replicas: it must not all-reduce
                 again (see ``distributed.already_reduced``).
-            weight, count: see :meth:`add`. The gradient applied is
+            weight, count, samples: see :meth:`add`. The gradient applied is
                 ``sum(weight * grad) / sum(count)``.
             on_apply: called, in cross-replica context, after ``apply_fn``.
             on_skip: called, in cross-replica context, instead of ``apply_fn``
-                when the accumulated gradient holds a NaN or an Inf. The
-                cycle is dropped either way.
+                when the accumulated gradient holds a NaN or an Inf (or
+                ``skip_update_fn`` says so). The cycle is dropped either way.
 
         Returns:
             A scalar bool tensor, True on micro-batches that ended a cycle;
@@ -294,15 +331,32 @@ class Accumulator(tf.Module):
             # Keras' own accumulation does): a write and a read of every
             # gradient fewer per update.
             present = [g is not None for g in grads]
-            last = (list(grads), weight, count)
+            last = (list(grads), weight, count, samples)
         else:
-            present = self.add(grads, variables, weight, count)
+            present = self.add(grads, variables, weight, count, samples)
+        return self.end_micro_step(
+            variables, present, apply_fn, on_apply, on_skip, last=last
+        )
+
+    def end_micro_step(
+        self,
+        variables: Sequence[keras.Variable],
+        present: Sequence[bool],
+        apply_fn: ApplyFn,
+        on_apply: Callable[[], None] | None = None,
+        on_skip: Callable[[], None] | None = None,
+        last=None,
+    ) -> tf.Tensor | None:
+        """Ends a micro-step whose gradients :meth:`add` already added
+        (``present`` as it returned); applies and resets if the cycle is
+        complete. Replica context; see :meth:`step` for the arguments."""
         group = _Group(
-            self, list(variables), self._buffers_for(variables), present, apply_fn
+            self, list(variables), self._buffers_for(variables), list(present), apply_fn
         )
         if self._leader is not None:
             # Consumed by the leader's step later in the same traced function.
             self._pending = group
+            self._last_end = (group,)
             return None
         # A closure, not merge_call args: args are regrouped per replica, and
         # the (identical) mirrored objects are wanted, not PerReplica bundles.
@@ -332,6 +386,7 @@ class Accumulator(tf.Module):
         # back in replica context, as Keras' LossScaleOptimizer does.
         is_update = self.micro_step + 1 >= self.accum_steps_variable
         groups = [group, *self._take_followers()]
+        self._last_end = (groups, on_apply, on_skip)
 
         def update():
             self._update(strategy, groups, last, on_apply, on_skip)
@@ -362,24 +417,38 @@ class Accumulator(tf.Module):
                 tf.distribute.ReduceOp.SUM, local, destinations=local
             )
             # Every replica holds the same total, so one copy decides for all.
-            finite = all_finite(strategy.experimental_local_results(total)[:1])
-            sums = None
+            sums = list(_unpack(strategy.experimental_local_results(total)[0], groups))
         else:
             total = None
             sums = [_read(g, last if i == 0 else None) for i, g in enumerate(groups)]
-            finite = all_finite([t for grads, ws in sums for t in (ws, *grads)])
+        grads, weight_sum, samples = sums[0]
+        inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
+        # The leader's norm and every group's finite check in one pass.
+        leader = squared_norm(grads)
+        others = [t for g, w, _ in sums[1:] for t in (*g, w)]
+        squares = leader + squared_norm([weight_sum, *others])
+        ok = tf.math.is_finite(squares)
+        if self.skip_update_fn is not None:
+            mean = [None if g is None else g * inverse for g in grads]
+            skip = tf.cast(self.skip_update_fn(mean, groups[0].variables), tf.bool)
+            ok = tf.logical_and(ok, tf.logical_not(tf.reshape(skip, [])))
 
         def apply():
             strategy.extended.call_for_each_replica(
-                _apply_groups, args=(groups, total, sums)
+                _apply_groups, args=(groups, total, None if replicated else sums)
             )
+            self.last_grad_norm.assign(tf.sqrt(leader) * inverse)
+            self.last_batch.assign(samples)
             on_apply()
 
         def skip():
             on_skip()
 
-        tf.cond(finite, apply, skip)
-        if replicated:
+        tf.cond(ok, apply, skip)
+        self._restart(strategy, groups)
+
+    def _restart(self, strategy, groups) -> None:
+        if strategy.num_replicas_in_sync > 1:
             strategy.extended.call_for_each_replica(_reset, args=(groups,))
         else:
             _reset(groups)
@@ -396,31 +465,94 @@ class Accumulator(tf.Module):
             )
         return grads
 
+    # ------------------------------------------------------- partial cycles
+    def flush(self, strategy: tf.distribute.Strategy | None = None) -> None:
+        """Applies what the current, incomplete cycle holds (weighted exactly
+        as a big batch of just those micro-batches) and starts a new cycle.
+
+        Eager; does nothing if the cycle is empty or no train step has run.
+        """
+        self._end_cycle_eagerly("flush", strategy)
+
+    def drop(self, strategy: tf.distribute.Strategy | None = None) -> None:
+        """Discards the current, incomplete cycle and starts a new one."""
+        self._end_cycle_eagerly("drop", strategy)
+
+    def _end_cycle_eagerly(self, how: str, strategy) -> None:
+        if self._leader is not None:
+            raise ValueError(
+                "This accumulator follows another one; flush or drop the "
+                "cycle of the model it follows."
+            )
+        if not self.built or self._last_end is None:
+            return
+        strategy = strategy or tf.distribute.get_strategy()
+        groups, on_apply, on_skip = self._last_end
+        groups = [groups[0], *(f._last_end[0] for f in self._followers if f._last_end)]
+        key = (how, id(strategy))
+        if key not in self._flush_fns:
+
+            def end():
+                def run():
+                    if how == "flush":
+                        self._update(strategy, groups, None, on_apply, on_skip)
+                    else:
+                        self._restart(strategy, groups)
+
+                tf.cond(self.micro_step > 0, run, _nothing)
+
+            self._flush_fns[key] = tf.function(end)
+        with strategy.scope():
+            self._flush_fns[key]()
+
 
 def _pack(groups: list[_Group]) -> tf.Tensor:
     parts = []
     for group in groups:
         parts += [tf.reshape(b.value, [-1]) for b in group.live]
-        parts.append(tf.reshape(group.accumulator.weight_sum.value, [1]))
+        accumulator = group.accumulator
+        parts.append(tf.reshape(accumulator.weight_sum.value, [1]))
+        parts.append(tf.reshape(accumulator.sample_sum.value, [1]))
     return tf.concat(parts, axis=0)
 
 
-def _read(group: _Group, last) -> tuple[list, tf.Tensor]:
-    """A group's sums and weight sum, plus the not yet added micro-batch
-    ``last = (grads, weight, count)`` if given."""
+def _unpack(total: tf.Tensor, groups: list[_Group]):
+    """Yields ``(sums, weight_sum, samples)`` per group, sums ``None`` where
+    absent."""
+    offset = 0
+    for group in groups:
+        sums = []
+        for buffer, present in zip(group.buffers, group.present):
+            if not present:
+                sums.append(None)
+                continue
+            size = buffer.shape.num_elements()
+            sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
+            offset += size
+        yield sums, total[offset], total[offset + 1]
+        offset += 2
+
+
+def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
+    """A group's sums, weight sum and sample count, plus the not yet added
+    micro-batch ``last = (grads, weight, count, samples)`` if given."""
+    accumulator = group.accumulator
     sums = [
         tf.convert_to_tensor(b.value) if p else None
         for b, p in zip(group.buffers, group.present)
     ]
-    weight_sum = tf.convert_to_tensor(group.accumulator.weight_sum.value)
+    weight_sum = tf.convert_to_tensor(accumulator.weight_sum.value)
+    sample_sum = tf.convert_to_tensor(accumulator.sample_sum.value)
     if last is None:
-        return sums, weight_sum
-    grads, weight, count = last
+        return sums, weight_sum, sample_sum
+    grads, weight, count, samples = last
     weight = None if weight is None else tf.cast(weight, tf.float32)
     sums = [s if g is None else _plus(s, g, weight) for s, g in zip(sums, grads)]
     if count is None:
         count = 1.0 if weight is None else weight
-    return sums, weight_sum + tf.cast(count, tf.float32)
+    if samples is not None:
+        sample_sum = sample_sum + tf.cast(samples, tf.float32)
+    return sums, weight_sum + tf.cast(count, tf.float32), sample_sum
 
 
 def _plus(total: tf.Tensor, grad, weight) -> tf.Tensor:
@@ -433,26 +565,17 @@ def _plus(total: tf.Tensor, grad, weight) -> tf.Tensor:
     return total + (grad if weight is None else grad * weight)
 
 
-def _unpack(total: tf.Tensor, groups: list[_Group]):
-    """Yields ``(sums, weight_sum)`` per group, sums ``None`` where absent."""
-    offset = 0
-    for group in groups:
-        sums = []
-        for buffer, present in zip(group.buffers, group.present):
-            if not present:
-                sums.append(None)
-                continue
-            size = buffer.shape.num_elements()
-            sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
-            offset += size
-        yield sums, total[offset]
-        offset += 1
-
-
 def _apply_groups(groups: list[_Group], total, sums) -> None:
     items = sums if total is None else _unpack(total, groups)
-    for group, (grads, weight_sum) in zip(groups, items):
-        group.apply_fn(group.accumulator._mean(grads, weight_sum, group))
+    for index, (group, (grads, weight_sum, _)) in enumerate(zip(groups, items)):
+        mean = group.accumulator._mean(grads, weight_sum, group)
+        if index == 0:
+            group.apply_fn(mean)
+        else:
+            # A follower that saw no data this cycle (e.g. flushed after a
+            # layer went unused) keeps its state rather than applying zeros.
+            apply = functools.partial(_call, group.apply_fn, mean)
+            tf.cond(weight_sum > 0, apply, _nothing)
 
 
 def _reset(groups: list[_Group]) -> None:
@@ -461,3 +584,4 @@ def _reset(groups: list[_Group]) -> None:
         for buffer in accumulator.grad_sums:
             buffer.value.assign(tf.zeros(buffer.shape, buffer.dtype))
         accumulator.weight_sum.value.assign(0.0)
+        accumulator.sample_sum.value.assign(0.0)

@@ -170,6 +170,7 @@ class GradientAccumulateModel(keras.Model):
             # Unscaling here keeps every micro-batch's sum in the same units.
             weight=None if scale is None else 1.0 / scale,
             count=count,
+            samples=_batch_size(x),
             on_apply=on_apply,
             on_skip=on_skip,
         )
