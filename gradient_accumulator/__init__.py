@@ -6,12 +6,15 @@ from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.verify import VerifyReport, verify
 
 __all__ = [
     "Accumulator",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
+    "VerifyReport",
     "__version__",
     "adaptive_clip_grad",
     "unitwise_norm",
+    "verify",
 ]
