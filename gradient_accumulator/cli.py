@@ -18,6 +18,7 @@ MODELS = {
     "cnn-dropout": "the same with Dropout(0.25) before the last Dense",
 }
 OPTIMIZERS = ("adam", "adamw", "sgd", "rmsprop")
+_D = "default: %(default)s"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,19 +46,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="cnn",
         help="; ".join(f"{k}: {v}" for k, v in MODELS.items()) + " (default: cnn)",
     )
-    verify.add_argument("--micro-batch", type=_positive, default=16, metavar="N")
-    verify.add_argument("--accum-steps", type=_positive, default=4, metavar="K")
-    verify.add_argument(
-        "--steps", type=_positive, default=10, metavar="S", help="optimizer updates"
+    option = verify.add_argument
+    option("--micro-batch", type=_positive, default=16, metavar="N", help=_D)
+    option("--accum-steps", type=_positive, default=4, metavar="K", help=_D)
+    option("--steps", type=_positive, default=10, help="optimizer updates; " + _D)
+    option("--optimizer", choices=OPTIMIZERS, default="adam", help=_D)
+    option("--learning-rate", type=_positive_float, default=1e-3, help=_D)
+    option(
+        "--tolerance",
+        type=_positive_float,
+        default=1e-4,
+        help="largest absolute weight difference that passes; " + _D,
     )
-    verify.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    verify.add_argument(
-        "--learning-rate", type=_positive_float, default=1e-3, metavar="LR"
-    )
-    verify.add_argument(
-        "--tolerance", type=_positive_float, default=1e-4, metavar="ATOL"
-    )
-    verify.add_argument("--seed", type=int, default=0)
+    option("--seed", type=int, default=0, help="initial weights and data order; " + _D)
     return parser
 
 
