@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator.model import GradientAccumulateModel
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.validation import check_accum_steps, check_positive_float
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
@@ -200,9 +201,10 @@ def verify(
     ``tf.config.experimental.enable_op_determinism()``.
 
     Args:
-        model_fn: builds a fresh, uncompiled or compiled, functional or
-            ``Sequential`` ``keras.Model`` on every call (the same
-            architecture each time). Called twice.
+        model_fn: builds a new functional or ``Sequential`` ``keras.Model``,
+            compiled or not, with the same architecture on every call; called
+            twice. Both runs use ``keras.Model(m.inputs, m.outputs)`` of its
+            model, so a ``GradientAccumulateModel`` is also accepted.
         x: inputs, as ``fit`` takes them (an array, or a list or dict of
             arrays) with at least ``micro_batch_size * accum_steps * steps``
             samples; the first ones are used.
@@ -210,8 +212,9 @@ def verify(
         micro_batch_size: samples per micro-batch, an ``int >= 1``.
         accum_steps: micro-batches per update, an ``int >= 1``.
         optimizer: a Keras optimizer name or instance (copied from its config
-            for each run); default: the compiled model's optimizer if
-            ``model_fn`` compiles, else ``"sgd"``.
+            for each run), without accumulation; default: the compiled
+            model's optimizer (the wrapped one for a
+            ``GradientAccumulateOptimizer``), else ``"sgd"``.
         loss: anything ``compile(loss=...)`` takes; default: the compiled
             model's loss. Required if ``model_fn`` does not compile.
         steps: optimizer updates per run, an ``int >= 1``.
@@ -246,9 +249,13 @@ def verify(
     y = _take(y, "y", needed)
 
     keras.utils.set_random_seed(int(seed))
-    reference = _build(model_fn)
-    optimizer = _optimizer_spec(optimizer, reference)
-    loss = _loss_spec(loss, reference)
+    source = _build(model_fn)
+    optimizer = _optimizer_spec(optimizer, source)
+    loss = _loss_spec(loss, source)
+    # Both runs are plain functional models over the same graph, so their
+    # layers line up one to one (a Sequential model hides its InputLayer; a
+    # GradientAccumulateModel from model_fn would accumulate in the reference).
+    reference = keras.Model(source.inputs, source.outputs)
     keras.utils.set_random_seed(int(seed))
     template = _build(model_fn)
     accumulated = GradientAccumulateModel(
@@ -321,8 +328,17 @@ def _build(model_fn: Callable[[], keras.Model]) -> keras.Model:
 
 def _optimizer_spec(optimizer: Any, model: keras.Model) -> Any:
     if optimizer is None:
-        compiled = getattr(model, "optimizer", None)
-        return compiled if compiled is not None else "sgd"
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            return "sgd"
+        if isinstance(optimizer, GradientAccumulateOptimizer):
+            return optimizer.inner_optimizer
+    if isinstance(optimizer, GradientAccumulateOptimizer):
+        raise TypeError(
+            "`optimizer` must be the optimizer without accumulation: verify "
+            "compares it with and without GradientAccumulateModel. Received: "
+            f"optimizer={optimizer!r}."
+        )
     if isinstance(optimizer, str | keras.optimizers.Optimizer):
         return optimizer
     raise TypeError(

@@ -17,7 +17,13 @@ import keras
 import numpy as np
 import pytest
 
-from gradient_accumulator import VerifyReport, verify
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+    VerifyReport,
+    cli,
+    verify,
+)
 from tests.utils import ATOL, classification_data, mlp_layers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +87,37 @@ def test_adam_and_compiled_model_fn_pass():
     assert report.ok, str(report)
     assert report.max_abs_diff <= ATOL
     assert report.moved > 1e-2  # Adam with lr 1e-2: ~lr per step
+
+
+def test_sequential_and_accumulating_model_fns():
+    """A Sequential model lines up with its functional rebuild; a model_fn
+    that already accumulates is compared without accumulation as reference,
+    with the optimizer it wraps."""
+
+    def sequential():
+        return keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+             keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    def accumulating():
+        inputs, outputs = mlp_layers()
+        model = GradientAccumulateModel(6, inputs=inputs, outputs=outputs)
+        model.compile(
+            optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), 6),
+            loss=LOSS,
+        )
+        return model
+
+    x, y = classification_data(n=64)
+    for model_fn, loss in ((sequential, LOSS), (accumulating, None)):
+        report = verify(
+            model_fn, x, y, micro_batch_size=4, accum_steps=4, steps=4, loss=loss
+        )
+        assert report.ok, str(report)
+        assert report.max_abs_diff <= ATOL
+        assert len([v for x in report.layers for v in x.variables]) == 4
+    assert report.moved > 1e-2  # the wrapped Adam(1e-2), not SGD's default
 
 
 @pytest.mark.parametrize(
@@ -174,6 +211,11 @@ X, Y = classification_data(n=32)
         ({"tolerance": "1e-4"}, TypeError, "tolerance"),
         ({"seed": 1.5}, TypeError, "seed"),
         ({"optimizer": 0.1}, TypeError, "optimizer"),
+        (
+            {"optimizer": GradientAccumulateOptimizer("sgd", 4)},
+            TypeError,
+            "without accumulation",
+        ),
         ({"loss": None}, ValueError, "loss"),
         ({"steps": 2}, ValueError, "`x` has 32 samples"),  # needs 2 * 8 * 4
         ({"y": Y[:10]}, ValueError, "`y` has 10 samples"),
@@ -267,10 +309,21 @@ def test_cli_verify_fails_and_names_batchnorm():
     assert "FAIL:" in result.stdout
 
 
-def test_cli_rejects_bad_arguments():
-    result = run_cli("verify", "--accum-steps", "0")
-    assert result.returncode == 2, describe(result)
-    assert "--accum-steps" in result.stderr and "must be >= 1" in result.stderr
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["verify", "--accum-steps", "0"], "--accum-steps: must be >= 1"),
+        (["verify", "--micro-batch", "x"], "--micro-batch: 'x' is not an integer"),
+        (["verify", "--tolerance", "-1"], "--tolerance: must be > 0"),
+        (["verify", "--model", "resnet"], "--model: invalid choice"),
+        ([], "required: command"),
+    ],
+)
+def test_cli_rejects_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_report_is_plain_data():
