@@ -334,3 +334,9 @@ def test_report_is_plain_data():
         for v in layer.variables:
             assert type(v.max_abs_diff) is float and type(v.moved) is float
             assert np.isfinite(v.max_abs_diff)
+
+
+def test_cli_without_scikit_learn_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import raises ImportError
+    assert cli.main(["verify"]) == 2
+    assert 'pip install "gradient-accumulator[examples]"' in capsys.readouterr().err
