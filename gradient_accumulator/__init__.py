@@ -6,12 +6,17 @@ from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.verify import LayerCheck, VariableCheck, VerifyReport, verify
 
 __all__ = [
     "Accumulator",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
+    "LayerCheck",
+    "VariableCheck",
+    "VerifyReport",
     "__version__",
     "adaptive_clip_grad",
     "unitwise_norm",
+    "verify",
 ]

@@ -1,0 +1,342 @@
+"""``verify`` and ``gradient-accumulator verify``: the report is right.
+
+A model that accumulation reproduces must pass with differences at round-off
+level; models with BatchNormalization, Dropout or per-call state must fail
+and name that layer.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import keras
+import numpy as np
+import pytest
+
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+    VerifyReport,
+    cli,
+    verify,
+)
+from tests.utils import ATOL, classification_data, mlp_layers
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp() -> keras.Model:
+    return keras.Model(*mlp_layers())
+
+
+def mlp_with(layer_fn) -> keras.Model:
+    inputs = keras.Input((8,))
+    h = keras.layers.Dense(16, name="hidden")(inputs)
+    h = layer_fn()(h)
+    h = keras.layers.Activation("tanh")(h)
+    return keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
+
+
+class CallCounter(keras.layers.Layer):
+    """Identity with a non-trainable variable that every training call
+    changes: once per micro-batch under accumulation, once per big batch
+    without."""
+
+    def build(self, input_shape):
+        self.count = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, name="count"
+        )
+
+    def call(self, x, training=False):
+        if training:
+            self.count.assign_add(1.0)
+        return x
+
+
+def test_mlp_passes_with_round_off_differences():
+    x, y = classification_data(n=96)
+    report = verify(mlp, x, y, micro_batch_size=8, accum_steps=4, steps=3, loss=LOSS)
+    assert isinstance(report, VerifyReport)
+    assert report.ok, str(report)
+    assert report.moved > 1e-3, str(report)  # training did move the weights
+    assert report.max_abs_diff <= ATOL, str(report)
+    variables = [v for layer in report.layers for v in layer.variables]
+    assert len(variables) == 4  # two kernels, two biases
+    assert all(v.ok and v.max_abs_diff <= ATOL for v in variables)
+    assert report.failing_layers == [] and report.causes == []
+    assert "OK:" in str(report)
+
+
+def test_adam_and_compiled_model_fn_pass():
+    """A compiled ``model_fn`` supplies loss and optimizer; Adam is the
+    optimizer most sensitive to gradient differences."""
+
+    def compiled():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LOSS)
+        return model
+
+    x, y = classification_data(n=64)
+    report = verify(compiled, x, y, micro_batch_size=4, accum_steps=4, steps=4)
+    assert report.ok, str(report)
+    assert report.max_abs_diff <= ATOL
+    assert report.moved > 1e-2  # Adam with lr 1e-2: ~lr per step
+
+
+def test_sequential_and_accumulating_model_fns():
+    """A Sequential model lines up with its functional rebuild; a model_fn
+    that already accumulates is compared without accumulation as reference,
+    with the optimizer it wraps."""
+
+    def sequential():
+        return keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+             keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    def accumulating():
+        inputs, outputs = mlp_layers()
+        model = GradientAccumulateModel(6, inputs=inputs, outputs=outputs)
+        model.compile(
+            optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), 6),
+            loss=LOSS,
+        )
+        return model
+
+    x, y = classification_data(n=64)
+    for model_fn, loss in ((sequential, LOSS), (accumulating, None)):
+        report = verify(
+            model_fn, x, y, micro_batch_size=4, accum_steps=4, steps=4, loss=loss
+        )
+        assert report.ok, str(report)
+        assert report.max_abs_diff <= ATOL
+        assert len([v for x in report.layers for v in x.variables]) == 4
+    assert report.moved > 1e-2  # the wrapped Adam(1e-2), not SGD's default
+
+
+@pytest.mark.parametrize(
+    ("layer_fn", "name", "why"),
+    [
+        (lambda: keras.layers.BatchNormalization(name="bn"), "bn", "micro-batch"),
+        (lambda: keras.layers.Dropout(0.3, name="drop"), "drop", "random"),
+        (lambda: CallCounter(name="counter"), "counter", "non-trainable state"),
+    ],
+    ids=["batchnorm", "dropout", "per-call-state"],
+)
+def test_layers_that_break_equivalence_are_named(layer_fn, name, why):
+    x, y = classification_data(n=96)
+    report = verify(
+        lambda: mlp_with(layer_fn), x, y, micro_batch_size=8, accum_steps=4, loss=LOSS
+    )
+    assert not report.ok, str(report)
+    assert [c.name for c in report.causes] == [name], str(report)
+    (cause,) = report.causes
+    assert not cause.ok and cause.breaks_equivalence
+    assert why in cause.reason, cause.reason
+    # The trainable layers around it differ too (the counter changes no
+    # trainable weight), and say why.
+    failing = {layer.name: layer for layer in report.failing_layers}
+    if name != "counter":
+        assert "hidden" in failing and "head" in failing, str(report)
+    for other in ("hidden", "head"):
+        if other in failing:
+            assert not failing[other].breaks_equivalence
+            assert name in failing[other].reason
+    text = str(report)
+    assert f"{name} (" in text and why in text and "FAIL:" in text
+
+
+def test_per_call_state_is_compared():
+    """The counter's variable itself: 1 update per big batch vs 4."""
+    x, y = classification_data(n=96)
+    report = verify(
+        lambda: mlp_with(lambda: CallCounter(name="counter")),
+        x,
+        y,
+        micro_batch_size=8,
+        accum_steps=4,
+        steps=3,
+        loss=LOSS,
+    )
+    (counter,) = [layer for layer in report.layers if layer.name == "counter"]
+    (count,) = counter.variables
+    assert count.name == "count" and not count.trainable
+    assert count.moved == 3.0  # 3 big-batch calls
+    assert count.max_abs_diff == 9.0  # 12 micro-batch calls
+
+
+def test_untrained_weights_do_not_pass():
+    """Weights that training hardly moves make any comparison vacuous."""
+    x, y = classification_data(n=32)
+    tiny = keras.optimizers.SGD(learning_rate=1e-9)
+    report = verify(
+        mlp, x, y, micro_batch_size=8, accum_steps=4, steps=1, optimizer=tiny, loss=LOSS
+    )
+    assert report.moved <= report.tolerance
+    assert not report.ok
+    assert "proves nothing" in str(report)
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+X, Y = classification_data(n=32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "argument"),
+    [
+        ({"model_fn": "mlp"}, TypeError, "model_fn"),
+        ({"model_fn": lambda: 3}, TypeError, "model_fn"),
+        ({"model_fn": Subclassed}, ValueError, "model_fn"),
+        ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
+        ({"micro_batch_size": 2.0}, TypeError, "micro_batch_size"),
+        ({"accum_steps": 0}, ValueError, "accum_steps"),
+        ({"accum_steps": "4"}, TypeError, "accum_steps"),
+        ({"steps": 0}, ValueError, "steps"),
+        ({"steps": True}, TypeError, "steps"),
+        ({"tolerance": 0.0}, ValueError, "tolerance"),
+        ({"tolerance": "1e-4"}, TypeError, "tolerance"),
+        ({"seed": 1.5}, TypeError, "seed"),
+        ({"optimizer": 0.1}, TypeError, "optimizer"),
+        (
+            {"optimizer": GradientAccumulateOptimizer("sgd", 4)},
+            TypeError,
+            "without accumulation",
+        ),
+        ({"loss": None}, ValueError, "loss"),
+        ({"steps": 2}, ValueError, "`x` has 32 samples"),  # needs 2 * 8 * 4
+        ({"y": Y[:10]}, ValueError, "`y` has 10 samples"),
+        ({"x": [X, X[:16]]}, ValueError, "`x`: all arrays"),
+    ],
+)
+def test_invalid_arguments_are_named(kwargs, error, argument):
+    call = {
+        "model_fn": mlp,
+        "x": X,
+        "y": Y,
+        "micro_batch_size": 8,
+        "accum_steps": 4,
+        "steps": 1,
+        "loss": LOSS,
+        **kwargs,
+    }
+    with pytest.raises(error, match=argument):
+        verify(call.pop("model_fn"), call.pop("x"), call.pop("y"), **call)
+
+
+def test_model_fn_must_build_the_same_architecture():
+    sizes = iter([16, 32])
+
+    def changing():
+        inputs = keras.Input((8,))
+        h = keras.layers.Dense(next(sizes))(inputs)
+        return keras.Model(inputs, keras.layers.Dense(3)(h))
+
+    with pytest.raises(ValueError, match="same architecture"):
+        verify(changing, X, Y, micro_batch_size=8, accum_steps=4, steps=1, loss=LOSS)
+
+
+def test_multi_input_dict_data():
+    def two_inputs():
+        a, b = keras.Input((4,), name="a"), keras.Input((4,), name="b")
+        h = keras.layers.Concatenate()([a, b])
+        return keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+
+    x = {"a": X[:, :4], "b": X[:, 4:]}
+    report = verify(
+        two_inputs, x, Y, micro_batch_size=4, accum_steps=2, steps=2, loss=LOSS
+    )
+    assert report.ok, str(report)
+    assert report.max_abs_diff <= ATOL
+
+
+# ------------------------------------------------------------------- console
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [sys.executable, "-m", "gradient_accumulator.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    return (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
+        f"\n--- stderr ---\n{result.stderr[-4000:]}"
+    )
+
+
+SMALL = ("--micro-batch", "8", "--accum-steps", "2", "--steps", "3")
+
+
+def test_console_script_is_declared():
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    scripts = config["options.entry_points"]["console_scripts"].strip().splitlines()
+    assert "gradient-accumulator = gradient_accumulator.cli:main" in scripts
+
+
+def test_cli_verify_passes_on_the_demo_model():
+    result = run_cli("verify", *SMALL)
+    assert result.returncode == 0, describe(result)
+    assert "OK: max |w_accumulated - w_big_batch|" in result.stdout, describe(result)
+    assert "conv2d (Conv2D)" in result.stdout, describe(result)
+
+
+def test_cli_verify_fails_and_names_batchnorm():
+    result = run_cli("verify", "--model", "cnn-batchnorm", *SMALL)
+    assert result.returncode == 1, describe(result)
+    assert "Breaks equivalence:" in result.stdout, describe(result)
+    assert "batch_normalization (BatchNormalization)" in result.stdout
+    assert "FAIL:" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["verify", "--accum-steps", "0"], "--accum-steps: must be >= 1"),
+        (["verify", "--micro-batch", "x"], "--micro-batch: 'x' is not an integer"),
+        (["verify", "--tolerance", "-1"], "--tolerance: must be > 0"),
+        (["verify", "--model", "resnet"], "--model: invalid choice"),
+        ([], "required: command"),
+    ],
+)
+def test_cli_rejects_bad_arguments(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_is_plain_data():
+    """Numbers in the report are Python floats (printable, comparable)."""
+    x, y = classification_data(n=32)
+    report = verify(mlp, x, y, micro_batch_size=4, accum_steps=2, steps=2, loss=LOSS)
+    for layer in report.layers:
+        for v in layer.variables:
+            assert type(v.max_abs_diff) is float and type(v.moved) is float
+            assert np.isfinite(v.max_abs_diff)
+
+
+def test_cli_without_scikit_learn_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import raises ImportError
+    assert cli.main(["verify"]) == 2
+    assert 'pip install "gradient-accumulator[examples]"' in capsys.readouterr().err
