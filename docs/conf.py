@@ -7,7 +7,6 @@ runs exactly this, so a warning fails CI).
 from __future__ import annotations
 
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -47,16 +46,3 @@ myst_enable_extensions = ["colon_fence"]
 html_theme = "alabaster"
 html_static_path = ["_static"]
 html_title = f"gradient-accumulator {release}"
-
-
-def _escape_combined_varargs(app, what, name, obj, options, lines):
-    """Napoleon escapes the first star of a parameter name, so a Google-style
-    entry ``*args, **kwargs: ...`` leaves ``**kwargs`` as an unterminated
-    strong-emphasis mark (a docutils warning). Escape the second name."""
-    for i, line in enumerate(lines):
-        lines[i] = re.sub(r"^(\s*\*\w+, )\*\*(\w+:)", r"\1\\*\\*\2", line)
-
-
-def setup(app):
-    # Before napoleon (priority 500) turns the Args section into fields.
-    app.connect("autodoc-process-docstring", _escape_combined_varargs, priority=400)

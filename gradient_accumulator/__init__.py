@@ -4,12 +4,15 @@ from gradient_accumulator import _backend  # noqa: F401  (fails on other backend
 from gradient_accumulator._version import __version__
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
+from gradient_accumulator.callbacks import AccumulationScheduler, FlushPartialCycle
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.verify import LayerCheck, VariableCheck, VerifyReport, verify
 
 __all__ = [
+    "AccumulationScheduler",
     "Accumulator",
+    "FlushPartialCycle",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
     "LayerCheck",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
@@ -13,7 +14,13 @@ from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
 
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
-from gradient_accumulator.validation import check_accum_steps, warn_unneeded
+from gradient_accumulator.validation import (
+    PARTIAL_CYCLE,
+    check_accum_steps,
+    check_bool,
+    check_choice,
+    warn_unneeded,
+)
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 
@@ -45,7 +52,18 @@ class GradientAccumulateModel(keras.Model):
         eps: adaptive gradient clipping epsilon (``> 0``).
         experimental_distributed_support: accepted for 0.5.x compatibility and
             ignored.
-        *args, **kwargs: passed to ``keras.Model`` (``inputs``, ``outputs``,
+        partial_cycle: what happens at the end of each epoch to micro-batches
+            that do not fill a cycle: ``"carry"`` (default) them into the next
+            epoch, ``"flush"`` them (apply them as one smaller big batch) or
+            ``"drop"`` them.
+        flush_at_end: flush a carried partial cycle when ``fit`` ends, so no
+            data is silently left unapplied (default ``True``).
+        skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,
+            called with the accumulated mean gradient at the end of each
+            cycle; True skips the cycle (non-finite cycles are always
+            skipped). Not saved in ``.keras`` files.
+        *args: passed to ``keras.Model``.
+        **kwargs: passed to ``keras.Model`` (``inputs``, ``outputs``,
             ``name``, ...).
 
     Example:
@@ -69,10 +87,20 @@ class GradientAccumulateModel(keras.Model):
         clip_factor: float = 0.01,
         eps: float = 1e-3,
         experimental_distributed_support: bool = False,
+        partial_cycle: str = "carry",
+        flush_at_end: bool = True,
+        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
         *args,
         **kwargs,
     ):
         check_accum_steps(accum_steps)
+        self._partial_cycle = check_choice(
+            "partial_cycle", partial_cycle, PARTIAL_CYCLE
+        )
+        self._flush_at_end = check_bool("flush_at_end", flush_at_end)
+        # Set once accum_steps may change during training: the plain Keras
+        # step traced for accum_steps=1 would then go stale.
+        self._scheduled = False
         warn_unneeded(
             "mixed_precision",
             mixed_precision,
@@ -92,6 +120,7 @@ class GradientAccumulateModel(keras.Model):
             use_agc=use_agc,
             clip_factor=clip_factor,
             eps=eps,
+            skip_update_fn=skip_update_fn,
         )
         if functional_init_arguments(args, kwargs):
             _init_functional(self, super().__init__, args, kwargs)
@@ -104,7 +133,45 @@ class GradientAccumulateModel(keras.Model):
     # ----------------------------------------------------------------- config
     @property
     def accum_steps(self) -> int:
+        """Micro-batches per update (the latest value set)."""
         return self._accumulator.accum_steps
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Changes ``accum_steps`` from the next cycle boundary on.
+
+        The cycle in progress completes with the length it started with, so
+        partial sums never mix two cycle lengths. See
+        :class:`~gradient_accumulator.AccumulationScheduler`.
+        """
+        plain = self._plain_keras_step()
+        self._scheduled = True
+        self._accumulator.set_accum_steps(accum_steps)
+        if plain and getattr(self, "train_function", None) is not None:
+            self.make_train_function(force=True)
+
+    def flush(self) -> None:
+        """Applies the micro-batches of the current, incomplete cycle now, with
+        the gradient a big batch of just those micro-batches would give."""
+        self._accumulator.flush(self.distribute_strategy)
+
+    def drop_partial_cycle(self) -> None:
+        """Discards the micro-batches of the current, incomplete cycle."""
+        self._accumulator.drop(self.distribute_strategy)
+
+    def fit(self, *args, **kwargs):
+        # Keras' fit takes callbacks as its sixth positional argument.
+        args = list(args)
+        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, _PartialCycles(self))
+        else:
+            # First, so that other callbacks see the weights after a flush.
+            callbacks = [_PartialCycles(self), *(callbacks or [])]
+        if len(args) > 5:
+            args[5] = callbacks
+        else:
+            kwargs["callbacks"] = callbacks
+        return super().fit(*args, **kwargs)
 
     def get_config(self):
         config = super().get_config()
@@ -113,6 +180,8 @@ class GradientAccumulateModel(keras.Model):
             use_agc=self._accumulator.use_agc,
             clip_factor=self._accumulator.clip_factor,
             eps=self._accumulator.eps,
+            partial_cycle=self._partial_cycle,
+            flush_at_end=self._flush_at_end,
         )
         return config
 
@@ -136,7 +205,7 @@ class GradientAccumulateModel(keras.Model):
     # ---------------------------------------------------------------- training
     def train_step(self, data):
         accumulator = self._accumulator
-        if accumulator.accum_steps == 1 and not accumulator.use_agc:
+        if self._plain_keras_step():
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
@@ -174,7 +243,29 @@ class GradientAccumulateModel(keras.Model):
             on_apply=on_apply,
             on_skip=on_skip,
         )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return {**logs, **self._cycle_logs()}
+
+    def _plain_keras_step(self) -> bool:
+        accumulator = self._accumulator
+        return (
+            accumulator.accum_steps == 1
+            and not accumulator.use_agc
+            and accumulator.skip_update_fn is None
+            and not self._scheduled
+        )
+
+    def _cycle_logs(self) -> dict:
+        """Per-step log entries that tell updates from micro-steps."""
+        state = self._accumulator
+        return {
+            # 1.0 on the steps that applied an update (or skipped a cycle).
+            "update": tf.cast(tf.equal(state.micro_step, 0), tf.float32),
+            # Global norm of the last applied mean gradient, before clipping.
+            "grad_norm": tf.convert_to_tensor(state.last_grad_norm),
+            # Samples (over all replicas) in the last applied cycle.
+            "effective_batch": tf.convert_to_tensor(state.last_batch),
+        }
 
     def _micro_batch_weight(self, x, y_pred, sample_weight):
         """This micro-batch's share of the big batch's loss denominator.
@@ -215,6 +306,29 @@ class GradientAccumulateModel(keras.Model):
             valid = tf.reduce_sum(tf.cast(mask, tf.float32))
             return valid, valid
         return batch, batch
+
+
+class _PartialCycles(keras.callbacks.Callback):
+    """Applies the model's ``partial_cycle`` policy at epoch and fit ends."""
+
+    def __init__(self, model: GradientAccumulateModel):
+        super().__init__()
+        self._owner = model
+
+    def _end(self, policy: str) -> None:
+        if policy == "flush":
+            self._owner.flush()
+        elif policy == "drop":
+            self._owner.drop_partial_cycle()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._end(self._owner._partial_cycle)
+
+    def on_train_end(self, logs=None):
+        if self._owner._partial_cycle == "drop":
+            self._end("drop")
+        elif self._owner._flush_at_end:
+            self._end("flush")
 
 
 _functional_variants: dict[type, type] = {}

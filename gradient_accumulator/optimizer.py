@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import tensorflow as tf
 
@@ -39,6 +41,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         eps: adaptive gradient clipping epsilon (``> 0``).
         mixed_precision: accepted for 0.5.x compatibility and ignored.
         name: the optimizer's name.
+        skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,
+            called with the accumulated mean gradient at the end of each
+            cycle; True skips the cycle (non-finite cycles are always
+            skipped). Not serialized.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, set on
             the wrapped optimizer (they act on the accumulated gradient).
 
@@ -64,6 +70,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         eps: float = 1e-3,
         mixed_precision: bool = False,
         name: str = "GradientAccumulateOptimizer",
+        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
         **kwargs,
     ):
         check_accum_steps(accum_steps)
@@ -96,11 +103,13 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             use_agc=use_agc,
             clip_factor=clip_factor,
             eps=eps,
+            skip_update_fn=skip_update_fn,
         )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner
         self.reduction = reduction.upper()
         self._accumulator = accumulator
+        self._scheduled = False
 
     # ------------------------------------------------------------ delegation
     @property
@@ -155,7 +164,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
-        if self.accum_steps == 1 and not self._accumulator.use_agc:
+        if self._plain_step():
             return self.inner_optimizer.apply(grads, variables)
 
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
@@ -183,6 +192,36 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             on_apply=on_apply,
             on_skip=on_skip,
         )
+
+    # ------------------------------------------------------- cycle control
+    def _plain_step(self) -> bool:
+        accumulator = self._accumulator
+        return (
+            accumulator.accum_steps == 1
+            and not accumulator.use_agc
+            and accumulator.skip_update_fn is None
+            and not self._scheduled
+        )
+
+    def set_accum_steps(self, accum_steps: int) -> bool:
+        """Changes ``accum_steps`` from the next cycle boundary on.
+
+        Returns True when a train function traced before must be traced again
+        (``model.make_train_function(force=True)``);
+        :class:`~gradient_accumulator.AccumulationScheduler` does that.
+        """
+        plain = self._plain_step()
+        self._scheduled = True
+        self._accumulator.set_accum_steps(accum_steps)
+        return plain
+
+    def flush(self) -> None:
+        """Applies the current, incomplete cycle now (its mean gradient)."""
+        self._accumulator.flush()
+
+    def drop_partial_cycle(self) -> None:
+        """Discards the current, incomplete cycle."""
+        self._accumulator.drop()
 
     def get_config(self):
         return {

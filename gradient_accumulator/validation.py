@@ -34,6 +34,18 @@ def check_positive_float(name: str, value) -> float:
     return float(value)
 
 
+PARTIAL_CYCLE = ("carry", "flush", "drop")
+
+
+def check_choice(name: str, value, choices: tuple) -> str:
+    """Returns ``value`` if it is one of ``choices`` or raises a clear error."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(
+            f"`{name}` must be one of {choices}. Received: {name}={value!r}."
+        )
+    return value
+
+
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be True or False. Received: {name}={value!r}.")
