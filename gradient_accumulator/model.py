@@ -149,6 +149,12 @@ class GradientAccumulateModel(keras.Model):
             # loss as it is.
             loss = unscale_loss_for_distribution(loss)
             self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
+            if not self.optimizer.built:
+                # A LossScaleOptimizer's scale variable exists once it is
+                # built; Keras' train_step builds it later, in apply(), but
+                # the micro-batch is unscaled by that variable before then.
+                with tf.init_scope():
+                    self.optimizer.build(self.trainable_weights)
             objective = self.optimizer.scale_loss(loss)
 
         variables = self.trainable_weights

@@ -6,7 +6,14 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
+from gradient_accumulator.loss_scale import (
+    apply_gradients,
+    install,
+    keras_apply,
+    loss_scale,
+    scale_hooks,
+    scaler_of,
+)
 from gradient_accumulator.validation import check_accum_steps, warn_unneeded
 
 _REDUCTIONS = ("MEAN", "SUM")
@@ -144,23 +151,50 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
 
     def apply(self, grads, trainable_variables=None):
-        grads = list(grads)
+        variables = self._prepare(trainable_variables)
+        if not self._accumulates:
+            return self.inner_optimizer.apply(list(grads), variables)
+        self._accumulate(grads, variables, scaler_of(self.inner_optimizer))
+
+    def _apply_with_loss_scaler(self, scaler, grads, trainable_variables=None):
+        """``scaler.apply`` when ``scaler`` is a LossScaleOptimizer wrapping
+        this optimizer (see ``loss_scale._apply``): ``grads`` are scaled by
+        ``scaler``'s dynamic scale, which this cycle then owns."""
+        if self._has_own_loss_scaler:
+            # The loss was scaled by our own scaler (``scaler.scale_loss``
+            # passes through too): ``scaler`` is a shell added by compile().
+            return self.apply(grads, trainable_variables)
+        if not self._accumulates:
+            # One call per update: Keras' own per-call loss scaling is right.
+            return keras_apply(scaler, grads, trainable_variables)
+        self._accumulate(grads, self._prepare(trainable_variables), scaler)
+
+    @property
+    def _has_own_loss_scaler(self) -> bool:
+        return scaler_of(self.inner_optimizer) is not None
+
+    @property
+    def _accumulates(self) -> bool:
+        return self.accum_steps > 1 or self._accumulator.use_agc
+
+    def _prepare(self, trainable_variables) -> list:
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
-        if self.accum_steps == 1 and not self._accumulator.use_agc:
-            return self.inner_optimizer.apply(grads, variables)
+        return variables
 
+    def _accumulate(self, grads, variables, scaler) -> None:
+        grads = list(grads)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         if replicas > 1:
             # Keras divides each replica's loss by the replica count and
             # expects the optimizer to sum replicas; the engine averages over
             # all micro-batches of all replicas, so undo the division.
             grads = [None if g is None else g * replicas for g in grads]
-        scale = loss_scale(self.inner_optimizer)
+        scale = loss_scale(scaler)
         weight = 1.0 if scale is None else 1.0 / scale
         factor = float(self.accum_steps) if self.reduction == "SUM" else None
 
@@ -169,7 +203,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 accumulated = [None if g is None else g * factor for g in accumulated]
             apply_gradients(self.inner_optimizer, accumulated, variables)
 
-        on_apply, on_skip = scale_hooks(self.inner_optimizer)
+        on_apply, on_skip = scale_hooks(scaler)
         self._accumulator.step(
             grads,
             variables,
@@ -198,6 +232,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+# compile() wraps this optimizer in a LossScaleOptimizer under
+# "mixed_float16"; make that wrapper hand whole cycles to us (see loss_scale).
+install()
 
 
 def _resolve_optimizer(optimizer) -> keras.optimizers.Optimizer:
