@@ -31,6 +31,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     given: its state, ``iterations``, learning-rate schedule, clipping, weight
     decay and EMA advance once per update and never see a partial gradient.
 
+    Under the ``"mixed_float16"`` policy ``compile`` wraps it in a
+    ``LossScaleOptimizer``, which then hands whole cycles to it: micro-batches
+    are unscaled before they are added, and a cycle with a non-finite
+    gradient is skipped whole and halves the scale, which grows per update.
+
     The wrapper sees only gradients, so every micro-batch counts equally. For
     exact weighting of masked or weighted micro-batches of unequal size, use
     :class:`GradientAccumulateModel`.
@@ -44,7 +49,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
         clip_factor: adaptive gradient clipping factor (``> 0``).
         eps: adaptive gradient clipping epsilon (``> 0``).
-        mixed_precision: accepted for 0.5.x compatibility and ignored.
+        mixed_precision: accepted for 0.5.x compatibility and ignored: loss
+            scaling is handled automatically.
         name: the optimizer's name.
         **kwargs: ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, set on
             the wrapped optimizer (they act on the accumulated gradient).
