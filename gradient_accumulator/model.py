@@ -224,20 +224,32 @@ class GradientAccumulateModel(keras.Model):
             loss = unscale_loss_for_distribution(loss)
             self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
             weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
-            # Weighting the scalar loss rather than the gradients spares a
-            # multiply over every gradient element on every micro-step.
-            objective = self.optimizer.scale_loss(loss * tf.stop_gradient(weight))
+            if not self.optimizer.built:
+                # A LossScaleOptimizer's scale variable exists once it is
+                # built; Keras' train_step builds it later, in apply(), but
+                # the micro-batch is unscaled by that variable before then.
+                with tf.init_scope():
+                    self.optimizer.build(self.trainable_weights)
+            scale = loss_scale(self.optimizer)
+            if scale is None:
+                # Weighting the scalar loss rather than the gradients spares
+                # a multiply over every gradient element on every micro-step.
+                loss_weight, weight = tf.stop_gradient(weight), None
+            else:
+                # Under a loss scale the float16 backward pass must not carry
+                # the weight (it would overflow sooner than Keras' would);
+                # unscaling here keeps every micro-batch's sum in one unit.
+                loss_weight, weight = 1.0, weight / scale
+            objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
         grads = tape.gradient(objective, variables)
-        scale = loss_scale(self.optimizer)
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             grads,
             variables,
             apply_fn=lambda g: apply_gradients(self.optimizer, g, variables),
-            # Unscaling here keeps every micro-batch's sum in the same units.
-            weight=None if scale is None else 1.0 / scale,
+            weight=weight,
             count=count,
             samples=_batch_size(x),
             on_apply=on_apply,

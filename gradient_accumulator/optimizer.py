@@ -8,7 +8,14 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
+from gradient_accumulator.loss_scale import (
+    apply_gradients,
+    install,
+    keras_apply,
+    loss_scale,
+    scale_hooks,
+    scaler_of,
+)
 from gradient_accumulator.validation import check_accum_steps, warn_unneeded
 
 _REDUCTIONS = ("MEAN", "SUM")
@@ -26,6 +33,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     given: its state, ``iterations``, learning-rate schedule, clipping, weight
     decay and EMA advance once per update and never see a partial gradient.
 
+    Under the ``"mixed_float16"`` policy ``compile`` wraps it in a
+    ``LossScaleOptimizer``, which then hands whole cycles to it: micro-batches
+    are unscaled before they are added, and a cycle with a non-finite
+    gradient is skipped whole and halves the scale, which grows per update.
+
     The wrapper sees only gradients, so every micro-batch counts equally. For
     exact weighting of masked or weighted micro-batches of unequal size, use
     :class:`GradientAccumulateModel`.
@@ -39,7 +51,8 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
         clip_factor: adaptive gradient clipping factor (``> 0``).
         eps: adaptive gradient clipping epsilon (``> 0``).
-        mixed_precision: accepted for 0.5.x compatibility and ignored.
+        mixed_precision: accepted for 0.5.x compatibility and ignored: loss
+            scaling is handled automatically.
         name: the optimizer's name.
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,
             called with the accumulated mean gradient at the end of each
@@ -157,18 +170,45 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
 
     def apply(self, grads, trainable_variables=None):
-        grads = list(grads)
+        variables = self._prepare(trainable_variables)
+        if not self._accumulates:
+            return self.inner_optimizer.apply(list(grads), variables)
+        self._accumulate(grads, variables, scaler_of(self.inner_optimizer))
+
+    def _apply_with_loss_scaler(self, scaler, grads, trainable_variables=None):
+        """``scaler.apply`` when ``scaler`` is a LossScaleOptimizer wrapping
+        this optimizer (see ``loss_scale._apply``): ``grads`` are scaled by
+        ``scaler``'s dynamic scale, which this cycle then owns."""
+        if self._has_own_loss_scaler:
+            # The loss was scaled by our own scaler (``scaler.scale_loss``
+            # passes through too): ``scaler`` is a shell added by compile().
+            return self.apply(grads, trainable_variables)
+        if not self._accumulates:
+            # One call per update: Keras' own per-call loss scaling is right.
+            return keras_apply(scaler, grads, trainable_variables)
+        self._accumulate(grads, self._prepare(trainable_variables), scaler)
+
+    @property
+    def _has_own_loss_scaler(self) -> bool:
+        return scaler_of(self.inner_optimizer) is not None
+
+    @property
+    def _accumulates(self) -> bool:
+        return not self._plain_step()
+
+    def _prepare(self, trainable_variables) -> list:
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
-        if self._plain_step():
-            return self.inner_optimizer.apply(grads, variables)
+        return variables
 
+    def _accumulate(self, grads, variables, scaler) -> None:
+        grads = list(grads)
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        scale = loss_scale(self.inner_optimizer)
+        scale = loss_scale(scaler)
         weight = None if scale is None else 1.0 / scale
         # Keras divides each replica's loss by the replica count and expects
         # the optimizer to sum replicas; counting each call as 1/replicas
@@ -182,7 +222,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         def apply_fn(accumulated):
             apply_gradients(self.inner_optimizer, accumulated, variables)
 
-        on_apply, on_skip = scale_hooks(self.inner_optimizer)
+        on_apply, on_skip = scale_hooks(scaler)
         self._accumulator.step(
             grads,
             variables,
@@ -241,6 +281,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+# compile() wraps this optimizer in a LossScaleOptimizer under
+# "mixed_float16"; make that wrapper hand whole cycles to us (see loss_scale).
+install()
 
 
 def _resolve_optimizer(optimizer) -> keras.optimizers.Optimizer:

@@ -1,0 +1,317 @@
+"""Accumulation under the ``mixed_float16`` and ``mixed_bfloat16`` policies.
+
+Every layout a user can end up with is covered (``LAYOUTS``):
+
+* ``model``: ``GradientAccumulateModel``; ``compile`` gives it
+  ``LossScaleOptimizer(SGD)``.
+* ``compiled``: a plain model compiled with ``GradientAccumulateOptimizer``;
+  ``compile`` turns it into ``LossScaleOptimizer(GradientAccumulateOptimizer)``.
+* ``outer``: that same nesting built explicitly (and so not re-wrapped).
+* ``inner``: ``GradientAccumulateOptimizer(LossScaleOptimizer(SGD))``, which
+  ``compile`` wraps in a second LossScaleOptimizer (a pass-through shell).
+* ``inner_unwrapped``: the same with ``compile(auto_scale_loss=False)``.
+
+References are plain Keras on the big batch: float32 (the exact target) and
+the same mixed policy (which shows how far low precision alone moves the
+weights, and which skips overflowing big batches the way Keras does).
+
+Tolerances. Under a mixed policy activations and their gradients are rounded
+to float16 (unit roundoff 2**-11 ~ 4.9e-4) or bfloat16 (2**-8 ~ 3.9e-3), and
+the big batch reduces over all samples in low precision inside its kernels
+while accumulation reduces each micro-batch there and sums the micro-batches
+in float32; so neither run is the float32 one. The test that matters is that
+accumulating is no further from float32 than Keras' own mixed big batch is:
+``ours <= MARGIN * keras_mixed`` (both measured in the same test; ~2.5e-5 and
+~1.8e-4 respectively, with ours measured slightly smaller). Where the
+reference is the mixed big batch itself, ``F16_ATOL = 1e-4`` is ~6x the
+~1.6e-5 measured (about one float16 rounding of a ~0.1 update, times a few
+updates).
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from tests import utils
+from tests.test_examples import describe, run_script
+
+B = 8  # micro-batch size
+K = 4  # accumulation steps
+CYCLE = B * K
+LR = 0.1
+MARGIN = 2.0
+F16_ATOL = 1e-4
+LSO = keras.optimizers.LossScaleOptimizer
+
+LAYOUTS = ["model", "compiled", "outer", "inner", "inner_unwrapped"]
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _inner():
+    # Momentum: an optimizer with state, which a skipped cycle must not touch.
+    return keras.optimizers.SGD(LR, momentum=0.5)
+
+
+def _build(layout: str, initial_scale=2.0**15, growth_steps=2000) -> keras.Model:
+    """A compiled model accumulating ``K`` micro-batches in ``layout``, with
+    a loss scale of ``initial_scale`` growing every ``growth_steps`` updates
+    when mixed_float16 is on."""
+    inputs, outputs = utils.mlp_layers()
+    scaler = {"initial_scale": initial_scale, "dynamic_growth_steps": growth_steps}
+    compile_kwargs = {}
+    if layout == "model":
+        # Partial cycles stay pending after fit, like the optimizer layouts'.
+        model = GradientAccumulateModel(
+            accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
+        )
+        optimizer = _inner()
+    else:
+        model = keras.Model(inputs, outputs)
+        if layout == "compiled":
+            optimizer = GradientAccumulateOptimizer(_inner(), accum_steps=K)
+        elif layout == "outer":
+            optimizer = LSO(GradientAccumulateOptimizer(_inner(), K), **scaler)
+        else:
+            optimizer = GradientAccumulateOptimizer(LSO(_inner(), **scaler), K)
+            if layout == "inner_unwrapped":
+                compile_kwargs["auto_scale_loss"] = False
+    model.compile(optimizer=optimizer, loss=_loss(), **compile_kwargs)
+    if layout in ("model", "compiled") and isinstance(model.optimizer, LSO):
+        # compile() built this one with Keras' defaults.
+        model.optimizer.initial_scale = initial_scale
+        model.optimizer.dynamic_growth_steps = growth_steps
+    return model
+
+
+def _scaler(model: keras.Model) -> LSO:
+    """The LossScaleOptimizer whose scale the model's loss is multiplied by."""
+    optimizer = model.optimizer
+    if not isinstance(optimizer, LSO):  # inner_unwrapped
+        return optimizer.inner_optimizer
+    inner = optimizer.inner_optimizer
+    if isinstance(inner, GradientAccumulateOptimizer) and isinstance(
+        inner.inner_optimizer, LSO
+    ):  # inner: the user's scaler, under compile's pass-through shell
+        return inner.inner_optimizer
+    return optimizer
+
+
+def _accumulator(model: keras.Model):
+    if isinstance(model, GradientAccumulateModel):
+        return model._accumulator
+    optimizer = model.optimizer
+    while not isinstance(optimizer, GradientAccumulateOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer._accumulator
+
+
+def _sgd(model: keras.Model):
+    optimizer = model.optimizer
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    assert isinstance(optimizer, keras.optimizers.SGD)
+    return optimizer
+
+
+def _plain(policy: str, data, epochs: int = 1) -> keras.Model:
+    """Plain Keras under ``policy`` on the big batch (``compile`` adds Keras'
+    LossScaleOptimizer under mixed_float16)."""
+    keras.mixed_precision.set_global_policy(policy)
+    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    model.compile(optimizer=_inner(), loss=_loss())
+    for x, y in data:
+        model.fit(x, y, batch_size=CYCLE, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def _fit(model, x, y, epochs: int = 1):
+    return model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
+
+
+def _mixed(policy: str, layout: str, **kwargs) -> keras.Model:
+    keras.mixed_precision.set_global_policy(policy)
+    model = utils.seeded(lambda: _build(layout, **kwargs))
+    assert model.layers[-1].compute_dtype == policy.removeprefix("mixed_")
+    return model
+
+
+# ------------------------------------------------------------ equivalence
+@pytest.mark.parametrize(
+    "policy, layout",
+    [("mixed_float16", layout) for layout in LAYOUTS]
+    + [("mixed_bfloat16", "model"), ("mixed_bfloat16", "compiled")],
+)
+def test_close_to_float32_big_batch(policy, layout):
+    """Accumulating under a mixed policy is no further from float32 big-batch
+    training than Keras' own mixed big batch is; the buffers are float32."""
+    data = [utils.classification_data(3 * CYCLE)]
+    reference = _plain("float32", data)
+    keras_mixed = _plain(policy, data)
+    low_precision_error = utils.max_abs_diff(
+        utils.weights(keras_mixed), utils.weights(reference)
+    )
+    # The policy really computed in low precision, and only that far off.
+    assert 0 < low_precision_error < (1e-3 if policy == "mixed_float16" else 1e-2)
+
+    model = _mixed(policy, layout)
+    initial = utils.weights(model)
+    _fit(model, *data[0])
+    utils.assert_trained(initial, utils.weights(model))
+    utils.assert_same_weights(
+        utils.weights(model), utils.weights(reference), MARGIN * low_precision_error
+    )
+    utils.assert_same_weights(
+        utils.weights(model), utils.weights(keras_mixed), MARGIN * low_precision_error
+    )
+    assert int(model.optimizer.iterations) == 3
+    state = _accumulator(model)
+    assert {v.dtype for v in [state.weight_sum, *state.grad_sums]} == {"float32"}
+    if policy == "mixed_float16":
+        assert float(_scaler(model).dynamic_scale) == 2.0**15  # no overflow, no growth
+    else:
+        assert not isinstance(model.optimizer, LSO)
+
+
+@pytest.mark.parametrize("layout", ["model", "compiled", "inner_unwrapped"])
+def test_scale_change_mid_cycle_keeps_units(layout):
+    """Each micro-batch is unscaled by the scale it was computed with: halving
+    the scale after every micro-batch leaves the result unchanged."""
+
+    class HalveScale(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            scale = _scaler(self.model).dynamic_scale
+            scale.assign(scale * 0.5)
+
+    x, y = utils.classification_data(2 * CYCLE)
+    steady = _mixed("mixed_float16", layout)
+    _fit(steady, x, y)
+    changing = _mixed("mixed_float16", layout)
+    changing.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[HalveScale()])
+    assert float(_scaler(changing).dynamic_scale) == 2.0 ** (15 - 2 * K)
+    # Only the float16 rounding of differently scaled values differs.
+    utils.assert_same_weights(utils.weights(changing), utils.weights(steady), 1e-6)
+    assert int(changing.optimizer.iterations) == 2
+
+
+# --------------------------------------------------------------- overflow
+def _poisoned_cycle(seed: int):
+    """One cycle of data whose third micro-batch holds an input that is Inf
+    in float16 (1e5 > 65504) but finite in float32. Keras' mixed big batch
+    skips it (asserted below), so its gradient is not finite."""
+    x, y = utils.classification_data(CYCLE, seed=seed)
+    x[2 * B + 3, 0] = 1e5
+    return x, y
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_overflowing_micro_batch_skips_the_whole_cycle(layout):
+    """A cycle with a non-finite micro-batch gradient changes nothing but the
+    scale (halved) and the buffers (emptied), as Keras skips the big batch
+    holding that sample; training then continues like Keras' mixed big
+    batch."""
+    clean = utils.classification_data(CYCLE, seed=1)
+    poisoned = _poisoned_cycle(seed=2)
+    after = utils.classification_data(2 * CYCLE, seed=3)
+
+    model = _mixed("mixed_float16", layout)
+    _fit(model, *clean)
+    scaler, state, sgd = _scaler(model), _accumulator(model), _sgd(model)
+    before = [v.numpy().copy() for v in model.trainable_weights + sgd.variables]
+    assert int(model.optimizer.iterations) == 1
+
+    _fit(model, *poisoned)  # its loss is finite (tanh saturates), not its grads
+    for old, new in zip(before, model.trainable_weights + sgd.variables):
+        np.testing.assert_array_equal(np.asarray(new), old)  # bit-identical
+    assert int(model.optimizer.iterations) == 1
+    assert float(scaler.dynamic_scale) == 2.0**14
+    assert int(scaler.step_counter) == 0
+    assert int(state.micro_step) == 0
+    for buffer in [state.weight_sum, *state.grad_sums]:
+        assert not np.any(np.asarray(buffer)), buffer.path
+
+    history = _fit(model, *after, epochs=3)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert all(np.all(np.isfinite(w)) for w in utils.weights(model))
+    assert int(model.optimizer.iterations) == 1 + 3 * 2
+
+    keras_mixed = _plain("mixed_float16", [clean, poisoned])
+    assert int(keras_mixed.optimizer.iterations) == 1  # Keras skipped it too
+    keras_mixed.fit(*after, batch_size=CYCLE, epochs=3, shuffle=False, verbose=0)
+    assert float(keras_mixed.optimizer.dynamic_scale) == 2.0**14
+    utils.assert_same_weights(
+        utils.weights(model), utils.weights(keras_mixed), F16_ATOL
+    )
+
+
+# ----------------------------------------------------------------- growth
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dynamic_scale_growth_counts_updates(layout):
+    """With dynamic_growth_steps=2, 3 updates (12 micro-batches) double the
+    scale once; counting micro-batches would double it 6 times."""
+    x, y = utils.classification_data(3 * CYCLE)
+    model = _mixed("mixed_float16", layout, initial_scale=2.0**8, growth_steps=2)
+    _fit(model, x, y)
+    scaler = _scaler(model)
+    assert int(model.optimizer.iterations) == 3
+    assert float(scaler.dynamic_scale) == 2.0**9
+    assert int(scaler.step_counter) == 1
+
+
+# ----------------------------------------------------------------- saving
+@pytest.mark.parametrize("layout", ["model", "compiled", "outer"])
+def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
+    """Under mixed_float16 a .keras file saved mid-cycle loads without
+    custom_objects, keeps the loss scale state and the pending buffers, and
+    resumes to the uninterrupted run's weights."""
+    x, y = utils.classification_data(3 * CYCLE // 2)  # 6 micro-batches
+    kwargs = {"initial_scale": 2.0**10, "growth_steps": 1}
+
+    uninterrupted = _mixed("mixed_float16", layout, **kwargs)
+    _fit(uninterrupted, x, y, epochs=2)
+
+    model = _mixed("mixed_float16", layout, **kwargs)
+    _fit(model, x, y)  # 1 update (the scale grew) + 2 pending micro-batches
+    assert float(_scaler(model).dynamic_scale) == 2.0**11
+    assert int(_accumulator(model).micro_step) == 2
+    path = tmp_path / "m.keras"
+    model.save(path)
+
+    # Like plain Keras: compile() (re-run by load_model) adds the wrapper only
+    # under the mixed_float16 policy, and builds it with Keras' defaults;
+    # the scale and its counter come back from the file.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is type(model.optimizer) is LSO
+    if layout != "model":
+        assert type(loaded.optimizer.inner_optimizer) is GradientAccumulateOptimizer
+    assert loaded.layers[-1].compute_dtype == "float16"
+    scaler = _scaler(loaded)
+    assert float(scaler.dynamic_scale) == 2.0**11
+    assert int(scaler.step_counter) == 0
+    if layout == "outer":
+        assert scaler.dynamic_growth_steps == 1
+    else:
+        scaler.dynamic_growth_steps = 1
+    for saved, restored in zip(
+        _accumulator(model).variables, _accumulator(loaded).variables
+    ):
+        np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved))
+
+    _fit(loaded, x, y)
+    assert int(loaded.optimizer.iterations) == 3
+    assert float(_scaler(loaded).dynamic_scale) == 2.0**13
+    utils.assert_same_weights(utils.weights(loaded), utils.weights(uninterrupted), 1e-6)
+
+
+# ---------------------------------------------------------------- example
+def test_mixed_precision_example_quick():
+    result = run_script("examples/mixed_precision.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    assert "overflow: cycle skipped" in result.stdout, describe(result)
