@@ -54,6 +54,11 @@ def _add(buffer: keras.Variable, grad, weight: tf.Tensor) -> None:
         # Embedding gradients: scatter the touched rows instead of densifying
         # a whole table every micro-step.
         values = tf.cast(grad.values, tf.float32) * weight
+        if isinstance(target, tf.distribute.DistributedValues):
+            # A replica-local (SyncOnRead) buffer refuses scatter ops as a
+            # whole; in replica context the replica's own component is what
+            # assign_add would update, so scatter into that.
+            target = target._get_on_device_or_primary()
         target.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
     else:
         target.assign_add(tf.cast(grad, tf.float32) * weight)

@@ -159,7 +159,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             # Keras divides each replica's loss by the replica count and
             # expects the optimizer to sum replicas; the engine averages over
             # all micro-batches of all replicas, so undo the division.
-            grads = [None if g is None else g * replicas for g in grads]
+            grads = [_scaled(g, replicas) for g in grads]
         scale = loss_scale(self.inner_optimizer)
         weight = 1.0 if scale is None else 1.0 / scale
         factor = float(self.accum_steps) if self.reduction == "SUM" else None
@@ -198,6 +198,15 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def _scaled(grad, factor):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        # Embedding gradients: IndexedSlices does not support `*`.
+        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
+    return grad * factor
 
 
 def _resolve_optimizer(optimizer) -> keras.optimizers.Optimizer:
