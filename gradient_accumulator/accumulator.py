@@ -265,7 +265,7 @@ class Accumulator(tf.Module):
             sums = [tf.convert_to_tensor(b.value) for b in buffers]
             weight_sum = tf.convert_to_tensor(self.weight_sum.value)
         else:
-            sums, weight_sum = _unpack(total, buffers)
+            sums, weight_sum = _unpack(total, buffers, present)
         grads = [
             tf.math.divide_no_nan(g, weight_sum) if p else None
             for g, p in zip(sums, present)
@@ -285,9 +285,15 @@ def _pack(buffers, present, weight_sum) -> tf.Tensor:
     return tf.concat([*parts, tf.reshape(weight_sum.value, [1])], axis=0)
 
 
-def _unpack(total: tf.Tensor, buffers) -> tuple[list[tf.Tensor | None], tf.Tensor]:
+def _unpack(
+    total: tf.Tensor, buffers, present
+) -> tuple[list[tf.Tensor | None], tf.Tensor]:
     sums, offset = [], 0
-    for buffer in buffers:
+    for buffer, p in zip(buffers, present):
+        if not p:
+            # _pack left it out: a variable without a gradient.
+            sums.append(None)
+            continue
         size = buffer.shape.num_elements()
         sums.append(tf.reshape(total[offset : offset + size], buffer.shape))
         offset += size

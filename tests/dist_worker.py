@@ -51,6 +51,7 @@ MIRRORED_CASES = (
     "opt_jit",
     "checkpoint_model",
     "checkpoint_opt",
+    "model_unused_weight",
 )
 MWMS_CASES = ("model_sgd", "opt_adam_clip", "model_jit")
 
@@ -160,7 +161,34 @@ def _layers(case: str):
         h = keras.layers.GlobalAveragePooling1D()(h)
         outputs = keras.layers.Dense(3)(h)
         return inputs, outputs
+    if "unused" in case:
+        # A trainable weight without a gradient, ahead of the others.
+        inputs = keras.Input((8,))
+        h = _WithUnusedWeight()(inputs)
+        h = keras.layers.Dense(16, activation="tanh")(h)
+        return inputs, keras.layers.Dense(3)(h)
     return utils.mlp_layers()
+
+
+def _with_unused_weight_class():
+    import keras
+
+    class WithUnusedWeight(keras.layers.Layer):
+        def build(self, input_shape):
+            self.unused = self.add_weight(shape=(5,), initializer="ones")
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * self.scale
+
+    return WithUnusedWeight
+
+
+def _WithUnusedWeight():
+    global _with_unused
+    if "_with_unused" not in globals():
+        _with_unused = _with_unused_weight_class()
+    return _with_unused()
 
 
 def _inner_optimizer(case: str):
@@ -378,7 +406,7 @@ def _initial_grad_norm(model, x, y) -> float:
     with tf.GradientTape() as tape:
         loss = _loss()(y[:BIG], model(x[:BIG], training=True))
     grads = tape.gradient(loss, model.trainable_weights)
-    grads = [tf.convert_to_tensor(g) for g in grads]
+    grads = [tf.convert_to_tensor(g) for g in grads if g is not None]
     return float(tf.linalg.global_norm(grads).numpy())
 
 

@@ -25,6 +25,7 @@ ACCUMULATING = [
     "opt_adam_clip",
     "model_embedding",
     "opt_embedding",
+    "model_unused_weight",
 ]
 
 
