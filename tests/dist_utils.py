@@ -7,11 +7,14 @@ imports this checkout), on the CPU, with a bounded wait, and is killed in a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -53,37 +56,52 @@ def _describe(name: str, proc: subprocess.Popen, out: str, err: str) -> str:
 
 def run_workers(commands: list[list[str]], timeout: float) -> None:
     """Runs the commands concurrently; raises AssertionError (with their
-    output) if any fails or they do not all finish within ``timeout`` s."""
-    procs = []
-    try:
-        for command in commands:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tests.dist_worker", *command],
-                    cwd=REPO,
-                    env=child_env(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
+    output) if any fails or they do not all finish within ``timeout`` s.
+
+    Output goes to files, not pipes: an unread pipe that fills up would stall
+    its worker, and with it the other worker's collectives.
+    """
+    procs, logs = [], []
+    with contextlib.ExitStack() as files:
+        try:
+            for command in commands:
+                out, err = (
+                    files.enter_context(tempfile.TemporaryFile(mode="w+"))
+                    for _ in range(2)
                 )
-            )
-        failures = []
-        for i, proc in enumerate(procs):
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, err = proc.communicate(timeout=30)
-                failures.append(_describe(f"worker {i} timed out", proc, out, err))
-                continue
-            if proc.returncode != 0:
-                failures.append(_describe(f"worker {i}", proc, out, err))
-        assert not failures, "\n\n".join(failures)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+                logs.append((out, err))
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.dist_worker", *command],
+                        cwd=REPO,
+                        env=child_env(),
+                        stdout=out,
+                        stderr=err,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            failures = []
+            for i, proc in enumerate(procs):
+                try:
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    name = f"worker {i}"
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=30)
+                    name = f"worker {i} timed out after {timeout:.0f} s"
+                if proc.returncode != 0:
+                    failures.append(_describe(name, proc, *map(_read, logs[i])))
+            assert not failures, "\n\n".join(failures)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+
+
+def _read(f) -> str:
+    f.seek(0)
+    return f.read()
 
 
 def run_mirrored(out: Path, cases: list[str], timeout: float) -> None:

@@ -52,6 +52,7 @@ MIRRORED_CASES = (
     "checkpoint_model",
     "checkpoint_opt",
     "model_unused_weight",
+    "model_nan_one_replica",
 )
 MWMS_CASES = ("model_sgd", "opt_adam_clip", "model_jit")
 
@@ -287,6 +288,9 @@ def run_case(case, strategy, out: Path, chief: bool):
     reference.fit(ref_ds, epochs=EPOCHS, verbose=0, shuffle=False)
     facts["ref_iterations"] = _iterations(reference)
 
+    if case == "model_nan_one_replica":
+        return _nan_case(case, strategy, x, y, initial, facts)
+
     if case.startswith("checkpoint"):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
         result = {
@@ -367,6 +371,43 @@ def mwms_step_function(strategy, model):
     return model._mwms_step
 
 
+def _nan_case(case, strategy, x, y, initial, facts):
+    """A NaN in one sample of replica 1's first micro-batch (replica 0's
+    gradients stay finite): the whole first cycle must be dropped on every
+    replica, the second applied. Reference: plain Keras on the second big
+    batch only, from the initial weights."""
+    import numpy as np
+
+    x = x.copy()
+    x[MICRO + 1, 0] = np.nan  # global micro-batch 0 = replica 0's 4, replica 1's 4
+    reference = build_reference(case)
+    reference.fit(
+        _dataset(x[BIG : 2 * BIG], y[BIG : 2 * BIG], BIG),
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+    )
+    with strategy.scope():
+        model = build_accumulating(case)
+    fit_under(strategy, model, _dataset(x[: 2 * BIG], y[: 2 * BIG], GLOBAL_MICRO))
+    facts["iterations"] = _iterations(model)
+    facts["ref_iterations"] = _iterations(reference)
+    facts["replicas_identical"] = all(
+        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
+        for w in model.trainable_weights
+    )
+    result = {
+        **_pack("init", initial),
+        **_pack("ref", _weights(reference)),
+        **_pack("ours", _weights(model)),
+    }
+    return result, facts
+
+
+def _local(strategy, variable):
+    return strategy.experimental_local_results(variable.value)
+
+
 def _plain_under(strategy, case):
     import keras
 
@@ -428,6 +469,9 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     fit_under(strategy, first, ds.repeat(EPOCHS).take(cut))
     accumulator = _accumulator(first)
     facts["micro_step_at_save"] = int(accumulator.micro_step.numpy())
+    facts["micro_step_per_replica_at_save"] = _per_replica(
+        strategy, accumulator.micro_step
+    )
     facts["weight_sum_at_save"] = float(accumulator.weight_sum.numpy())
     # Each replica's own partial sum: they differ, which is what a mirrored
     # (single-value) save would lose.
@@ -456,6 +500,9 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
         )
         status.assert_existing_objects_matched()
     facts["ckpt_micro_step_restored"] = int(_accumulator(fresh).micro_step.numpy())
+    facts["ckpt_micro_step_per_replica"] = _per_replica(
+        strategy, _accumulator(fresh).micro_step
+    )
     facts["ckpt_weight_sum_restored"] = float(_accumulator(fresh).weight_sum.numpy())
     fit_under(strategy, fresh, rest)
     resumed["ckpt"] = _weights(fresh)
@@ -464,6 +511,9 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     with strategy.scope():
         loaded = keras.models.load_model(keras_path)
     facts["keras_micro_step_restored"] = int(_accumulator(loaded).micro_step.numpy())
+    facts["keras_micro_step_per_replica"] = _per_replica(
+        strategy, _accumulator(loaded).micro_step
+    )
     facts["keras_weight_sum_restored"] = float(_accumulator(loaded).weight_sum.numpy())
     fit_under(strategy, loaded, rest)
     resumed["keras"] = _weights(loaded)
@@ -471,6 +521,11 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     facts["iterations"] = _iterations(straight)
     facts["steps"] = steps
     return _weights(straight), resumed
+
+
+def _per_replica(strategy, variable) -> list[int]:
+    """The micro-step counter as every replica holds it."""
+    return [int(v.numpy()) for v in strategy.experimental_local_results(variable.value)]
 
 
 def _accumulator(model):

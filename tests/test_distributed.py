@@ -67,6 +67,19 @@ def test_mirrored_matches_single_device_big_batch(mirrored, case):
     _check_equivalent(mirrored, case)
 
 
+def test_mirrored_non_finite_on_one_replica_drops_the_cycle_everywhere(mirrored):
+    """A NaN in replica 1's first micro-batch only: the finite check looks at
+    the all-reduced gradient, so both replicas skip that update (Keras' loss
+    scale optimizer checks replica 0 alone) and apply the next one; the
+    weights equal one big-batch step on the second batch and stay identical
+    across replicas."""
+    weights, facts = dist_utils.load(mirrored, "model_nan_one_replica")
+    utils.assert_trained(weights["init"], weights["ours"])
+    utils.assert_same_weights(weights["ours"], weights["ref"])
+    assert facts["iterations"] == facts["ref_iterations"] == 1, facts
+    assert facts["replicas_identical"], facts
+
+
 @pytest.mark.parametrize("case", ["checkpoint_model", "checkpoint_opt"])
 def test_mirrored_mid_cycle_checkpoint_resumes_exactly(mirrored, case):
     """A tf.train.Checkpoint and a .keras file saved 3 micro-steps into a
@@ -80,9 +93,13 @@ def test_mirrored_mid_cycle_checkpoint_resumes_exactly(mirrored, case):
     assert facts["micro_step_at_save"] == 3, facts
     assert facts["iterations_at_save"] == 1, facts
     assert facts["replica_partials_differ"], facts
+    # The counter (a mirrored variable, aggregation only_first_replica,
+    # assigned in cross-replica context) is the same on every replica.
+    assert facts["micro_step_per_replica_at_save"] == [3, 3], facts
     for how in ("ckpt", "keras"):
         # The restored totals are the saved replica sums.
         assert facts[f"{how}_micro_step_restored"] == 3, facts
+        assert facts[f"{how}_micro_step_per_replica"] == [3, 3], facts
         assert facts[f"{how}_weight_sum_restored"] == facts["weight_sum_at_save"]
         diff = utils.assert_same_weights(
             weights[how], weights["ours"], atol=RESUME_ATOL
@@ -170,3 +187,58 @@ def test_mwms_jit_compile_unsupported_on_cpu_for_plain_keras_too(mwms):
     assert facts["plain_jit_error"] is not None, facts
     assert "Collectives are not yet implemented for CPU" in facts["plain_jit_error"]
     assert "Collectives are not yet implemented for CPU" in facts["jit_error"]
+
+
+# ------------------------------------------------------ example and benchmark
+def _run_script(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=dist_utils.REPO,
+        env=dist_utils.child_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+def _describe(result) -> str:
+    return (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}"
+        f"\n--- stderr ---\n{result.stderr[-5000:]}"
+    )
+
+
+def test_distributed_example_quick_matches_big_batch():
+    """examples/distributed.py launches its 2 MWMS workers on loopback and
+    reports the weight difference against one-device big-batch Keras."""
+    import re
+
+    result = _run_script("examples/distributed.py", "--quick")
+    assert result.returncode == 0, _describe(result)
+    match = re.search(r"max \|w_accum - w_bigbatch\| = (\S+)", result.stdout)
+    assert match, _describe(result)
+    assert float(match.group(1)) <= utils.ATOL, _describe(result)
+    assert "optimizer updates: 4" in result.stdout, _describe(result)
+
+
+def test_distributed_benchmark_quick_prints_counted_table():
+    """benchmarks/distributed.py --quick prints its table; the all-reduce
+    counts are counted from the traced graphs: 1 per update for ours and
+    accum_steps (8) for the naive step. Timings are never asserted."""
+    import re
+
+    result = _run_script("benchmarks/distributed.py", "--quick")
+    assert result.returncode == 0, _describe(result)
+    rows = {
+        m.group(1): int(m.group(2))
+        for m in re.finditer(
+            r"^\| (ours|naive) \| [0-9.]+ \| (\d+) \| [0-9.]+ \|$",
+            result.stdout,
+            re.MULTILINE,
+        )
+    }
+    assert rows == {"ours": 1, "naive": 8}, _describe(result)
