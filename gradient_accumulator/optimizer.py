@@ -154,12 +154,12 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         if self.accum_steps == 1 and not self._accumulator.use_agc:
             return self.inner_optimizer.apply(grads, variables)
 
+        # Keras divides each replica's loss by the replica count, so the
+        # replicas' gradients sum to the global micro-batch's: each replica's
+        # call is 1/replicas of a micro-step. This keeps the saved sums in
+        # units of global micro-steps, so a checkpoint taken mid-cycle resumes
+        # exactly with any number of replicas.
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
-        if replicas > 1:
-            # Keras divides each replica's loss by the replica count and
-            # expects the optimizer to sum replicas; the engine averages over
-            # all micro-batches of all replicas, so undo the division.
-            grads = [_scaled(g, replicas) for g in grads]
         scale = loss_scale(self.inner_optimizer)
         weight = 1.0 if scale is None else 1.0 / scale
         factor = float(self.accum_steps) if self.reduction == "SUM" else None
@@ -175,7 +175,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             variables,
             weight,
             apply_fn=apply_fn,
-            count=1.0,
+            count=1.0 / replicas,
             on_apply=on_apply,
             on_skip=on_skip,
         )
@@ -198,15 +198,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
-
-
-def _scaled(grad, factor):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        # Embedding gradients: IndexedSlices does not support `*`.
-        return tf.IndexedSlices(grad.values * factor, grad.indices, grad.dense_shape)
-    return grad * factor
 
 
 def _resolve_optimizer(optimizer) -> keras.optimizers.Optimizer:

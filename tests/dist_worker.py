@@ -19,6 +19,7 @@ here: the pytest side does that.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -165,13 +166,16 @@ def _layers(case: str):
     if "unused" in case:
         # A trainable weight without a gradient, ahead of the others.
         inputs = keras.Input((8,))
-        h = _WithUnusedWeight()(inputs)
+        h = _with_unused_weight_class()()(inputs)
         h = keras.layers.Dense(16, activation="tanh")(h)
         return inputs, keras.layers.Dense(3)(h)
     return utils.mlp_layers()
 
 
+@functools.cache
 def _with_unused_weight_class():
+    """A layer with a trainable weight that gets no gradient (made once, on
+    first use, so that importing this module does not import Keras)."""
     import keras
 
     class WithUnusedWeight(keras.layers.Layer):
@@ -183,13 +187,6 @@ def _with_unused_weight_class():
             return x * self.scale
 
     return WithUnusedWeight
-
-
-def _WithUnusedWeight():
-    global _with_unused
-    if "_with_unused" not in globals():
-        _with_unused = _with_unused_weight_class()
-    return _with_unused()
 
 
 def _inner_optimizer(case: str):
@@ -299,6 +296,7 @@ def run_case(case, strategy, out: Path, chief: bool):
             **_pack("ours", ours),
             **_pack("ckpt", resumed["ckpt"]),
             **_pack("keras", resumed["keras"]),
+            **_pack("single", resumed["single"]),
         }
         return result, facts
 
@@ -518,6 +516,19 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     fit_under(strategy, loaded, rest)
     resumed["keras"] = _weights(loaded)
     facts["keras_iterations"] = _iterations(loaded)
+
+    # The same checkpoint resumed on one device (no strategy): it holds the
+    # replicas' sum, and one replica on the global micro-batch continues it.
+    single = build_accumulating(case)
+    single.optimizer.build(single.trainable_variables)
+    if not _accumulator(single).built:
+        _accumulator(single).build(single.trainable_variables)
+    tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(
+        prefix
+    ).assert_existing_objects_matched()
+    single.fit(rest, epochs=1, verbose=0, shuffle=False)
+    resumed["single"] = _weights(single)
+    facts["single_iterations"] = _iterations(single)
     facts["iterations"] = _iterations(straight)
     facts["steps"] = steps
     return _weights(straight), resumed

@@ -85,7 +85,7 @@ def test_mirrored_mid_cycle_checkpoint_resumes_exactly(mirrored, case):
     """A tf.train.Checkpoint and a .keras file saved 3 micro-steps into a
     cycle under MirroredStrategy keep both replicas' partial sums: restored
     into a fresh strategy-scoped model, training continues to the weights of
-    the uninterrupted run."""
+    the uninterrupted run; the checkpoint also resumes on a single device."""
     weights, facts = dist_utils.load(mirrored, case)
     utils.assert_trained(weights["init"], weights["ours"])
     utils.assert_same_weights(weights["ours"], weights["ref"])
@@ -106,6 +106,10 @@ def test_mirrored_mid_cycle_checkpoint_resumes_exactly(mirrored, case):
         )
         print(f"{case}/{how}: max |w_resumed - w_uninterrupted| = {diff:.3g}")
         assert facts[f"{how}_iterations"] == facts["iterations"] == 4, facts
+    # Resumed on one device, without a strategy, from the same checkpoint.
+    diff = utils.assert_same_weights(weights["single"], weights["ours"])
+    print(f"{case}/single-device: max |w_resumed - w_uninterrupted| = {diff:.3g}")
+    assert facts["single_iterations"] == 4, facts
 
 
 @pytest.mark.parametrize("case", ["model_jit", "opt_jit"])
