@@ -55,7 +55,7 @@ MIRRORED_CASES = (
     "model_unused_weight",
     "model_nan_one_replica",
 )
-MWMS_CASES = ("model_sgd", "opt_adam_clip", "model_jit")
+MWMS_CASES = ("model_sgd", "opt_adam_clip", "model_jit", "model_fit")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -301,11 +301,27 @@ def run_case(case, strategy, out: Path, chief: bool):
         return result, facts
 
     ds = _dataset(x, y, GLOBAL_MICRO)
+    if case == "model_fit":
+        # Plain ``model.fit`` under this strategy, for plain Keras and ours
+        # (fit_under works around Keras' MWMS failures; this checks them).
+        def plain_fit():
+            _plain_under(strategy, case, jit=False).fit(ds, epochs=1, verbose=0)
+
+        facts["plain_fit_error"] = _fit_error(plain_fit)
+        with strategy.scope():
+            model = build_accumulating(case)
+        error = _fit_error(lambda: model.fit(ds, epochs=EPOCHS, verbose=0))
+        result = {**_pack("init", initial), **_pack("ref", _weights(reference))}
+        if error is not None:
+            facts["fit_error"] = error
+            return result, facts
+        facts["iterations"] = _iterations(model)
+        return {**result, **_pack("ours", _weights(model))}, facts
     if case.endswith("_jit"):
         # Whether plain Keras can XLA-compile a train step under this
         # strategy at all: if it cannot, ours cannot either, and the test
         # checks that both fail the same way.
-        facts["plain_jit_error"] = _jit_error(
+        facts["plain_jit_error"] = _fit_error(
             lambda: fit_under(strategy, _plain_under(strategy, case), ds)
         )
     with strategy.scope():
@@ -314,7 +330,7 @@ def run_case(case, strategy, out: Path, chief: bool):
     def fit():
         fit_under(strategy, model, ds, epochs=EPOCHS)
 
-    error = _jit_error(fit) if case.endswith("_jit") else fit()
+    error = _fit_error(fit) if case.endswith("_jit") else fit()
     if error is not None:
         facts["jit_error"] = error
         return {**_pack("init", initial), **_pack("ref", _weights(reference))}, facts
@@ -406,7 +422,7 @@ def _local(strategy, variable):
     return strategy.experimental_local_results(variable.value)
 
 
-def _plain_under(strategy, case):
+def _plain_under(strategy, case, jit=True):
     import keras
 
     from tests import utils
@@ -414,14 +430,14 @@ def _plain_under(strategy, case):
     def build():
         inputs, outputs = _layers(case)
         model = keras.Model(inputs, outputs)
-        model.compile(optimizer=_inner_optimizer(case), loss=_loss(), jit_compile=True)
+        model.compile(optimizer=_inner_optimizer(case), loss=_loss(), jit_compile=jit)
         return model
 
     with strategy.scope():
         return utils.seeded(build)
 
 
-def _jit_error(fit) -> str | None:
+def _fit_error(fit) -> str | None:
     """Runs ``fit``; returns None, or the error's last line if it fails."""
     import tensorflow as tf
 
