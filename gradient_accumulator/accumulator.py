@@ -73,6 +73,11 @@ def _add(buffer: keras.Variable, grad, weight) -> None:
         values = tf.cast(grad.values, tf.float32)
         if weight is not None:
             values = values * weight
+        if isinstance(target, tf.distribute.DistributedValues):
+            # A replica-local (SyncOnRead) buffer refuses scatter ops as a
+            # whole; in replica context the replica's own component is what
+            # assign_add would update, so scatter into that.
+            target = target._get_on_device_or_primary()
         target.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
     else:
         grad = tf.cast(grad, tf.float32)
