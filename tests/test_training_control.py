@@ -1,0 +1,354 @@
+"""Training control, against plain Keras on the big batch: accumulation
+schedules, partial cycles (carry / flush / drop), the skip hook, cycle-aware
+logs and adaptive gradient clipping (against a NumPy reference)."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import (
+    AccumulationScheduler,
+    FlushPartialCycle,
+    GradientAccumulateModel,
+    GradientAccumulateOptimizer,
+    adaptive_clip_grad,
+    unitwise_norm,
+)
+from tests import utils
+
+B = 8  # micro-batch size
+K = 4
+LR = 0.05
+
+
+def _loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _plain(optimizer=None) -> keras.Model:
+    def build():
+        model = keras.Model(*utils.mlp_layers())
+        model.compile(optimizer=optimizer or keras.optimizers.Adam(LR), loss=_loss())
+        return model
+
+    return utils.seeded(build)
+
+
+def _accumulating(optimizer=None, **kwargs) -> GradientAccumulateModel:
+    def build():
+        inputs, outputs = utils.mlp_layers()
+        kwargs.setdefault("accum_steps", K)
+        model = GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
+        model.compile(optimizer=optimizer or keras.optimizers.Adam(LR), loss=_loss())
+        return model
+
+    return utils.seeded(build)
+
+
+def _fit(model, x, y, batch_size=B, epochs=1, **kwargs):
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
+    )
+
+
+def _train_on(model, x, y, batches) -> None:
+    """Plain Keras, one update per ``(start, stop)`` slice of ``x``/``y``."""
+    for start, stop in batches:
+        model.train_on_batch(x[start:stop], y[start:stop])
+
+
+# ---------------------------------------------------------------- schedules
+def test_epoch_schedule_matches_growing_big_batches():
+    """{0: 1, 1: 4}: epoch 0 trains at batch 8, epoch 1 at batch 32."""
+    x, y = utils.classification_data(64)
+    reference = _plain()
+    initial = utils.weights(reference)
+    _fit(reference, x, y, batch_size=B)
+    _fit(reference, x, y, batch_size=K * B)
+
+    model = _accumulating(accum_steps=1)
+    _fit(model, x, y, epochs=2, callbacks=[AccumulationScheduler({0: 1, 1: 4})])
+    assert model.accum_steps == 4
+    assert int(model.optimizer.iterations) == 64 // B + 64 // (K * B) == 10
+    utils.assert_trained(initial, utils.weights(model))
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_update_count_schedule_changes_only_at_cycle_boundaries():
+    """fn(updates): 2 updates of 2 micro-batches, then cycles of 4. The
+    change is asked for mid-cycle by the callback and must wait."""
+    x, y = utils.classification_data(64)
+    reference = _plain()
+    _train_on(reference, x, y, [(0, 16), (16, 32), (32, 64)])
+
+    model = _accumulating(accum_steps=2)
+    schedule = AccumulationScheduler(lambda updates: 2 if updates < 2 else 4)
+    _fit(model, x, y, callbacks=[schedule])
+    assert int(model.optimizer.iterations) == 3
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_schedule_with_optimizer_wrapper():
+    x, y = utils.classification_data(64)
+    reference = _plain(keras.optimizers.SGD(LR))
+    _fit(reference, x, y, batch_size=B)
+    _fit(reference, x, y, batch_size=K * B)
+
+    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(LR), accum_steps=1)
+    model.compile(optimizer=opt, loss=_loss())
+    _fit(model, x, y, epochs=2, callbacks=[AccumulationScheduler({0: 1, 1: 4})])
+    assert opt.accum_steps == 4
+    assert int(opt.iterations) == 10
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_changed_accum_steps_survives_keras_file(tmp_path):
+    x, y = utils.classification_data(32)
+    model = _accumulating(accum_steps=2)
+    _fit(model, x, y)
+    model.set_accum_steps(8)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert loaded.accum_steps == 8
+    assert int(loaded._accumulator.accum_steps_variable) == 8
+
+
+@pytest.mark.parametrize(
+    "schedule, error",
+    [
+        ({}, ValueError),
+        ({-1: 2}, ValueError),
+        ({0: 0}, ValueError),
+        ({0: 2.5}, TypeError),
+        ("4", TypeError),
+    ],
+)
+def test_scheduler_validates_schedule(schedule, error):
+    with pytest.raises(error, match="schedule"):
+        AccumulationScheduler(schedule)
+
+
+def test_scheduler_needs_an_accumulating_model():
+    model = _plain()
+    x, y = utils.classification_data(16)
+    with pytest.raises(ValueError, match="GradientAccumulateModel"):
+        _fit(model, x, y, callbacks=[AccumulationScheduler({0: 2})])
+
+
+# ----------------------------------------------------------- partial cycles
+def test_flush_each_epoch_matches_short_big_batches():
+    """20 samples, micro-batches 8/8/4, accum_steps=4: flushing at each epoch
+    end is big-batch training with one batch of 20 per epoch."""
+    x, y = utils.classification_data(20)
+    reference = _plain()
+    _fit(reference, x, y, batch_size=32, epochs=3)
+
+    model = _accumulating(partial_cycle="flush")
+    _fit(model, x, y, epochs=3)
+    assert int(model.optimizer.iterations) == 3
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_carry_across_epochs_then_flush_at_end_of_fit():
+    """Carry (the default): cycles straddle the epoch boundary; the partial
+    cycle left when fit ends is applied, so no data is lost."""
+    x, y = utils.classification_data(20)
+    xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
+    reference = _plain()
+    # Epoch 1 holds 8/8/4, epoch 2 starts with 8: one cycle of 28 samples;
+    # the remaining 8/4 of epoch 2 are flushed at the end.
+    _train_on(reference, xx, yy, [(0, 28), (28, 40)])
+
+    model = _accumulating()
+    _fit(model, x, y, epochs=2)
+    assert int(model.optimizer.iterations) == 2
+    assert int(model._accumulator.micro_step) == 0
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_drop_discards_partial_cycles():
+    x, y = utils.classification_data(36)  # 8/8/8/8 then a 4 that is dropped
+    reference = _plain()
+    for _ in range(2):
+        _train_on(reference, x, y, [(0, 32)])
+
+    model = _accumulating(partial_cycle="drop")
+    _fit(model, x, y, epochs=2)
+    assert int(model.optimizer.iterations) == 2
+    assert float(model._accumulator.weight_sum) == 0.0
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+def test_flush_method_and_callback_for_optimizer_wrapper():
+    """Equal micro-batches (the optimizer wrapper weighs calls equally):
+    3 of 8 per epoch, flushed by the callback each epoch."""
+    x, y = utils.classification_data(24)
+    reference = _plain()
+    _fit(reference, x, y, batch_size=24, epochs=2)
+
+    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(LR), accum_steps=K)
+    model.compile(optimizer=opt, loss=_loss())
+    _fit(model, x, y, epochs=2, callbacks=[FlushPartialCycle()])
+    assert int(opt.iterations) == 2
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+    opt.flush()  # an empty cycle: nothing happens
+    assert int(opt.iterations) == 2
+
+
+def test_explicit_flush_and_drop_methods():
+    x, y = utils.classification_data(16)
+    model = _accumulating(flush_at_end=False)
+    before = utils.weights(model)
+    _fit(model, x, y)  # 2 of 4 micro-batches pending
+    assert int(model._accumulator.micro_step) == 2
+    model.drop_partial_cycle()
+    assert int(model.optimizer.iterations) == 0
+    assert utils.max_abs_diff(before, utils.weights(model)) == 0.0
+
+    reference = _plain()
+    reference.train_on_batch(x, y)
+    _fit(model, x, y)
+    model.flush()
+    assert int(model.optimizer.iterations) == 1
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"partial_cycle": "apply"}, ValueError),
+        ({"flush_at_end": 1}, TypeError),
+        ({"skip_update_fn": 3}, TypeError),
+    ],
+)
+def test_model_validates_cycle_arguments(kwargs, error):
+    name = next(iter(kwargs))
+    with pytest.raises(error, match=name):
+        _accumulating(**kwargs)
+
+
+def test_flush_callback_validates_arguments():
+    with pytest.raises(ValueError, match="mode"):
+        FlushPartialCycle(mode="apply")
+    with pytest.raises(TypeError, match="every_epoch"):
+        FlushPartialCycle(every_epoch="yes")
+
+
+# ------------------------------------------------------------------ skipping
+def test_skip_update_fn_skips_whole_cycles():
+    """Skip cycles whose mean gradient is large: the middle cycle has
+    targets that give a far larger gradient, and is skipped as a whole."""
+    x, _ = utils.classification_data(96)
+    y = np.concatenate([np.zeros(32), np.full(32, 100.0), np.zeros(32)]).astype(
+        "float32"
+    )[:, None]
+    mse = keras.losses.MeanSquaredError()
+
+    def build(model_cls, **kwargs):
+        def make():
+            inputs = keras.Input((8,))
+            outputs = keras.layers.Dense(1)(inputs)
+            model = model_cls(inputs=inputs, outputs=outputs, **kwargs)
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss=mse)
+            return model
+
+        return utils.seeded(make)
+
+    reference = build(keras.Model)
+    _train_on(reference, x, y, [(0, 32), (64, 96)])
+
+    def too_large(grads, variables):
+        return tf.linalg.global_norm(grads) > 50.0
+
+    model = build(GradientAccumulateModel, accum_steps=K, skip_update_fn=too_large)
+    _fit(model, x, y)
+    assert int(model.optimizer.iterations) == 2
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
+
+
+# ---------------------------------------------------------------------- logs
+def test_logs_tell_updates_from_micro_steps():
+    """Per-step logs: ``update`` is 1 on the steps that applied a cycle,
+    ``effective_batch`` its sample count, ``grad_norm`` the global norm of the
+    big batch's gradient (computed here with a plain tape)."""
+    x, y = utils.classification_data(2 * K * B)
+    plain = _plain()
+    with tf.GradientTape() as tape:
+        loss = _loss()(y[: K * B], plain(x[: K * B]))
+    expected_norm = float(
+        tf.linalg.global_norm(tape.gradient(loss, plain.trainable_weights))
+    )
+
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append({k: float(logs[k]) for k in ("update", "grad_norm")})
+            seen[-1]["effective_batch"] = float(logs["effective_batch"])
+
+    model = _accumulating()
+    history = _fit(model, x, y, callbacks=[Record()])
+    assert [s["update"] for s in seen] == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert seen[3]["effective_batch"] == K * B
+    assert seen[3]["grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+    assert seen[0]["grad_norm"] == 0.0  # no update yet
+    assert history.history["update"] == [1.0]
+
+
+# ----------------------------------------------------------------------- AGC
+def _np_unitwise_norm(x: np.ndarray) -> np.ndarray:
+    if x.ndim <= 1:
+        return np.sqrt(np.sum(x**2))
+    axis = (0,) if x.ndim in (2, 3) else tuple(range(x.ndim - 1))
+    return np.sqrt(np.sum(x**2, axis=axis, keepdims=True))
+
+
+def _np_agc(param, grad, clip_factor, eps):
+    max_norm = np.maximum(_np_unitwise_norm(param), eps) * clip_factor
+    grad_norm = _np_unitwise_norm(grad)
+    scaled = grad * (max_norm / np.maximum(grad_norm, 1e-6))
+    return np.where(grad_norm > max_norm, scaled, grad)
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (4, 3), (2, 4, 3), (3, 3, 2, 4)])
+def test_agc_matches_numpy_reference(shape):
+    rng = np.random.default_rng(0)
+    param = rng.normal(size=shape).astype("float32")
+    grad = (rng.normal(size=shape) * 3).astype("float32")
+    np.testing.assert_allclose(
+        unitwise_norm(tf.constant(param)).numpy(), _np_unitwise_norm(param), rtol=1e-5
+    )
+    clipped = adaptive_clip_grad([param], [grad], clip_factor=0.05, eps=1e-3)[0]
+    expected = _np_agc(param, grad, 0.05, 1e-3)
+    assert not np.allclose(expected, grad)  # clipping acts on some units
+    np.testing.assert_allclose(clipped.numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_agc_acts_once_on_the_accumulated_gradient():
+    """use_agc=True with SGD: one update equals NumPy's SGD step with AGC
+    applied to the big batch's mean gradient (from a plain tape)."""
+    x, y = utils.classification_data(K * B)
+    plain = _plain()
+    with tf.GradientTape() as tape:
+        loss = _loss()(y, plain(x))
+    grads = tape.gradient(loss, plain.trainable_weights)
+    params = utils.weights(plain)
+    expected = [
+        p - LR * _np_agc(p, g.numpy(), 0.01, 1e-3) for p, g in zip(params, grads)
+    ]
+
+    model = _accumulating(keras.optimizers.SGD(LR), use_agc=True)
+    _fit(model, x, y)
+    assert int(model.optimizer.iterations) == 1
+    got = utils.weights(model)
+    clipped_anything = utils.max_abs_diff(
+        expected, [p - LR * g.numpy() for p, g in zip(params, grads)]
+    )
+    assert clipped_anything > 1e-4
+    utils.assert_same_weights(got, expected, atol=1e-6)
