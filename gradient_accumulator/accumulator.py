@@ -93,6 +93,21 @@ def _call(fn, *args) -> None:
     fn(*args)
 
 
+class _Wiring:
+    """Python-side links of an accumulator, kept out of checkpoints (a
+    ``tf.Module`` would track them as state): its leader and followers, the
+    group a follower recorded for its leader, the structure of the last
+    traced cycle end (so that flush() can end a cycle outside the train
+    step), and the compiled flush functions."""
+
+    def __init__(self):
+        self.leader: Accumulator | None = None
+        self.followers: list[Accumulator] = []
+        self.pending: _Group | None = None
+        self.last_end: tuple | None = None
+        self.flush_fns: dict = {}
+
+
 @dataclass
 class _Group:
     """One accumulator's part of an update: what to read, apply and reset."""
@@ -152,13 +167,7 @@ class Accumulator(tf.Module):
         self.skip_update_fn = skip_update_fn
         self._track = track
         self._prefix = name
-        self._leader: Accumulator | None = None
-        self._followers: list[Accumulator] = []
-        self._pending: _Group | None = None
-        # The structure of the last traced cycle end (groups and hooks), so
-        # that flush() can end a cycle outside the train step.
-        self._last_end: tuple | None = None
-        self._flush_fns: dict = {}
+        self._wiring = _Wiring()
         self.built = False
 
     # ------------------------------------------------------------------ state
@@ -252,21 +261,21 @@ class Accumulator(tf.Module):
         """Lets ``leader`` decide, reduce and apply this accumulator's cycles."""
         if leader is self:
             raise ValueError("An accumulator cannot follow itself.")
-        if self._leader is leader:
+        if self._wiring.leader is leader:
             return
-        if self._leader is not None:
-            self._leader._followers.remove(self)
-        self._leader = leader
-        leader._followers.append(self)
+        if self._wiring.leader is not None:
+            self._wiring.leader._wiring.followers.remove(self)
+        self._wiring.leader = leader
+        leader._wiring.followers.append(self)
 
     @property
     def leader(self) -> Accumulator | None:
-        return self._leader
+        return self._wiring.leader
 
     @property
     def clock(self) -> Accumulator:
         """The accumulator whose counter decides when cycles end."""
-        return self if self._leader is None else self._leader
+        return self if self._wiring.leader is None else self._wiring.leader
 
     # ------------------------------------------------------------------- rules
     def add(
@@ -330,7 +339,7 @@ class Accumulator(tf.Module):
             ``None`` for a follower, whose leader decides.
         """
         last = None
-        if self._leader is None and not tf.distribute.has_strategy():
+        if self._wiring.leader is None and not tf.distribute.has_strategy():
             # Without a strategy the cycle's last micro-batch goes straight
             # into the applied sums rather than through the buffers (as
             # Keras' own accumulation does): a write and a read of every
@@ -358,10 +367,10 @@ class Accumulator(tf.Module):
         group = _Group(
             self, list(variables), self._buffers_for(variables), list(present), apply_fn
         )
-        if self._leader is not None:
+        if self._wiring.leader is not None:
             # Consumed by the leader's step later in the same traced function.
-            self._pending = group
-            self._last_end = (group,)
+            self._wiring.pending = group
+            self._wiring.last_end = (group,)
             return None
         # A closure, not merge_call args: args are regrouped per replica, and
         # the (identical) mirrored objects are wanted, not PerReplica bundles.
@@ -391,7 +400,7 @@ class Accumulator(tf.Module):
         # back in replica context, as Keras' LossScaleOptimizer does.
         is_update = self.micro_step + 1 >= self.accum_steps_variable
         groups = [group, *self._take_followers()]
-        self._last_end = (groups, on_apply, on_skip)
+        self._wiring.last_end = (groups, on_apply, on_skip)
 
         def update():
             self._update(strategy, groups, last, on_apply, on_skip)
@@ -406,10 +415,10 @@ class Accumulator(tf.Module):
 
     def _take_followers(self) -> list[_Group]:
         groups = []
-        for follower in self._followers:
-            if follower._pending is not None:
-                groups.append(follower._pending)
-                follower._pending = None
+        for follower in self._wiring.followers:
+            if follower._wiring.pending is not None:
+                groups.append(follower._wiring.pending)
+                follower._wiring.pending = None
         return groups
 
     def _update(self, strategy, groups, last, on_apply, on_skip) -> None:
@@ -484,18 +493,25 @@ class Accumulator(tf.Module):
         self._end_cycle_eagerly("drop", strategy)
 
     def _end_cycle_eagerly(self, how: str, strategy) -> None:
-        if self._leader is not None:
+        if self._wiring.leader is not None:
             raise ValueError(
                 "This accumulator follows another one; flush or drop the "
                 "cycle of the model it follows."
             )
-        if not self.built or self._last_end is None:
+        if not self.built or self._wiring.last_end is None:
             return
         strategy = strategy or tf.distribute.get_strategy()
-        groups, on_apply, on_skip = self._last_end
-        groups = [groups[0], *(f._last_end[0] for f in self._followers if f._last_end)]
+        groups, on_apply, on_skip = self._wiring.last_end
+        groups = [
+            groups[0],
+            *(
+                f._wiring.last_end[0]
+                for f in self._wiring.followers
+                if f._wiring.last_end
+            ),
+        ]
         key = (how, id(strategy))
-        if key not in self._flush_fns:
+        if key not in self._wiring.flush_fns:
 
             def end():
                 def run():
@@ -506,9 +522,9 @@ class Accumulator(tf.Module):
 
                 tf.cond(self.micro_step > 0, run, _nothing)
 
-            self._flush_fns[key] = tf.function(end)
+            self._wiring.flush_fns[key] = tf.function(end)
         with strategy.scope():
-            self._flush_fns[key]()
+            self._wiring.flush_fns[key]()
 
 
 def _pack(groups: list[_Group]) -> tf.Tensor:
