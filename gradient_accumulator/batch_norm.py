@@ -2,9 +2,9 @@
 
 :class:`AccumBatchNormalization` normalises each micro-batch exactly as
 ``keras.layers.BatchNormalization`` does, but instead of updating the moving
-mean and variance on every call it pools the micro-batches' per-channel sums
-(shifted by the moving mean, in float32) in an :class:`Accumulator` and, once
-per cycle, updates the moving statistics as Keras' layer would on the
+mean and variance on every call it pools the micro-batches' moments (merged
+as in Chan's parallel algorithm, in float32) in an :class:`Accumulator` and,
+once per cycle, updates the moving statistics as Keras' layer would on the
 concatenated big batch. :func:`replace_batchnorm_layers` converts a model.
 """
 
@@ -15,6 +15,7 @@ import numbers
 import keras
 import tensorflow as tf
 from keras import ops
+from keras.src.layers.normalization.batch_normalization import _clone_initializer
 
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.validation import check_accum_steps, check_bool
@@ -153,8 +154,24 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
 
     def build(self, input_shape) -> None:
         super().build(input_shape)
-        # Buffers keyed by, and shaped like, the moving statistics.
-        self._accumulator.build([self.moving_mean, self.moving_variance])
+        # The shift of the pooled sums: the last cycle's exact big-batch mean
+        # (the moving mean's initial value before the first cycle). The same
+        # on every replica and constant within a cycle, and, unlike the moving
+        # mean, which lags by ~1/(1 - momentum) cycles, close to the current
+        # mean: summing x - s instead of x avoids the cancellation of
+        # E[x^2] - E[x]^2 when |mean| >> std.
+        self.accumulation_shift = self.add_weight(
+            shape=self.moving_mean.shape,
+            name="accumulation_shift",
+            initializer=_clone_initializer(self.moving_mean_initializer),
+            trainable=False,
+            autocast=False,
+        )
+        # One per-channel buffer per sum of _accumulate_statistics, keyed by
+        # (and shaped like) these variables.
+        self._accumulator.build(
+            [self.moving_mean, self.moving_variance, self.accumulation_shift]
+        )
 
     def load_own_variables(self, store) -> None:
         super().load_own_variables(store)
@@ -195,7 +212,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
         beta = ops.cast(self.beta, compute_dtype) if self.center else None
         mean, variance = self._moments(inputs, mask)
-        self._accumulate_statistics(inputs, mask)
+        self._accumulate_statistics(inputs, mask, mean, variance)
         outputs = ops.batch_normalization(
             x=inputs,
             mean=mean,
@@ -207,57 +224,64 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         )
         return ops.cast(outputs, self.compute_dtype)
 
-    def _accumulate_statistics(self, inputs, mask) -> None:
-        """Adds this replica's shifted per-channel sums to the cycle."""
-        x = tf.stop_gradient(tf.cast(inputs, tf.float32))
-        axes = self._reduction_axes
-        # The moving mean is constant within a cycle (it changes only when a
-        # cycle ends), so it is a valid shift: summing x - s instead of x
-        # avoids the cancellation of E[x^2] - E[x]^2 when |mean| >> std.
-        shift = tf.reshape(
-            tf.cast(self.moving_mean, tf.float32), self._broadcast_shape(x)
-        )
-        centred = x - shift
+    def _accumulate_statistics(self, inputs, mask, mean, variance) -> None:
+        """Adds this replica's micro-batch to the cycle's pooled statistics.
+
+        Chan's parallel merge, in float32: with ``n`` the per-channel element
+        count, ``m``, ``v`` the micro-batch's mean and biased variance (the
+        very moments Keras computes) and ``s`` the shift, the engine sums
+        ``n (m - s)``, ``n (v + (m - s)^2)`` and ``n``. Those are the sums of
+        ``x - s`` and ``(x - s)^2`` over the micro-batch, so the pooled
+        statistics are the big batch's, and the only cancellation left is of
+        ``(mean - s)^2``, small because ``s`` is the last big batch's mean.
+        """
+        if self.synchronized and mask is None:
+            # The forward pass used every replica's moments; the pool needs
+            # this replica's own (the engine sums replicas at the cycle end).
+            mean, variance = ops.moments(inputs, axes=self._reduction_axes)
+        channels = self.moving_mean.shape[0]
+        mean = tf.reshape(tf.cast(mean, tf.float32), [channels])
+        variance = tf.reshape(tf.cast(variance, tf.float32), [channels])
         if mask is None:
-            shape = tf.shape(x, out_type=tf.int64)
-            count = tf.cast(tf.reduce_prod(tf.gather(shape, axes)), tf.float32)
+            shape = tf.shape(inputs, out_type=tf.int64)
+            size = tf.reduce_prod(tf.gather(shape, self._reduction_axes))
+            count = tf.fill([channels], tf.cast(size, tf.float32))
         else:
-            # Keras' masked moments: the (rank - 1) mask broadcast on a new
-            # last axis; masked elements count for nothing.
+            # Keras' masked moments: the mask broadcast on a new last axis.
             weights = tf.cast(tf.expand_dims(mask, -1), tf.float32)
-            weights = tf.broadcast_to(weights, tf.shape(x))
-            centred = tf.where(weights > 0, centred, 0.0)
-            count = tf.reduce_sum(weights) / tf.cast(tf.shape(x)[self.axis], tf.float32)
-        sums = [
-            tf.reduce_sum(centred, axis=axes),
-            tf.reduce_sum(tf.square(centred), axis=axes),
-        ]
+            weights = tf.broadcast_to(weights, tf.shape(inputs))
+            count = tf.reshape(
+                tf.reduce_sum(weights, axis=self._reduction_axes), [channels]
+            )
+        shift = tf.cast(self.accumulation_shift, tf.float32)
+        offset = mean - shift
+        sums = [count * offset, count * (variance + tf.square(offset)), count]
         self._accumulator.step(
-            sums,
-            [self.moving_mean, self.moving_variance],
+            [tf.stop_gradient(t) for t in sums],
+            [self.moving_mean, self.moving_variance, self.accumulation_shift],
             apply_fn=self._apply_statistics,
             weight=None,
-            count=count,
+            # Counts may differ per channel (masks on a non-last axis), so
+            # they travel as a third sum; the engine's scalar divisor, the
+            # number of calls, cancels out.
+            count=1.0,
         )
 
-    def _broadcast_shape(self, x) -> list[int]:
-        shape = [1] * len(x.shape)
-        shape[self.axis] = -1
-        return shape
-
     def _apply_statistics(self, means) -> None:
-        """Updates the moving statistics from the cycle's pooled means.
+        """Updates the moving statistics from the cycle's pooled sums.
 
-        ``means`` are ``[E[x - s], E[(x - s)^2]]`` over the whole effective
-        batch (all micro-batches, all replicas), ``s`` the moving mean.
+        ``means`` are the sums of :meth:`_accumulate_statistics` over the
+        whole effective batch (all micro-batches, all replicas), each divided
+        by the same number.
         """
-        dtype = self.moving_mean.dtype
-        shift = ops.cast(self.moving_mean, "float32")
-        centred_mean, centred_square = means
-        mean = shift + centred_mean
+        centred_sum, square_sum, count = means
+        centred_mean = tf.math.divide_no_nan(centred_sum, count)
+        centred_square = tf.math.divide_no_nan(square_sum, count)
+        mean = tf.cast(self.accumulation_shift, tf.float32) + centred_mean
         # Biased variance, as Keras' layer uses; rounding can make a constant
         # channel's variance a hair negative.
-        variance = ops.maximum(centred_square - ops.square(centred_mean), 0.0)
+        variance = tf.maximum(centred_square - tf.square(centred_mean), 0.0)
+        dtype = self.moving_mean.dtype
         moving_mean = ops.cast(self.moving_mean, dtype)
         moving_variance = ops.cast(self.moving_variance, dtype)
         mean = ops.cast(mean, dtype)
@@ -269,6 +293,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.moving_variance.assign(
             moving_variance * self.momentum + variance * (1.0 - self.momentum)
         )
+        self.accumulation_shift.assign(ops.cast(mean, self.accumulation_shift.dtype))
 
 
 def _check_range(name: str, value, accepted: str, low: float, high: float) -> None:
@@ -352,7 +377,12 @@ def replace_batchnorm_layers(
         pairs.append((layer, new))
         return new
 
-    new_model = keras.models.clone_model(model, clone_function=clone, recursive=True)
+    source = model
+    if isinstance(model, GradientAccumulateModel):
+        # Clone the graph alone: Keras would call the model's class with
+        # (inputs, outputs), which this constructor reads as accum_steps.
+        source = keras.Model(model.inputs, model.outputs, name=model.name)
+    new_model = keras.models.clone_model(source, clone_function=clone, recursive=True)
     for old, new in pairs:
         if isinstance(new, AccumBatchNormalization) and not isinstance(
             old, AccumBatchNormalization
@@ -361,6 +391,7 @@ def replace_batchnorm_layers(
                 source, target = getattr(old, name), getattr(new, name)
                 if source is not None:
                     target.assign(source)
+            new.accumulation_shift.assign(old.moving_mean)
         elif old.weights:
             new.set_weights(old.get_weights())
 
