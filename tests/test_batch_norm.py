@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     replace_batchnorm_layers,
 )
+from tests.test_examples import describe, run_script
 from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
 
 REPO = Path(__file__).resolve().parents[1]
@@ -575,3 +577,15 @@ def test_mirrored_strategy_pools_every_replica():
     # weights are those of one device seeing the whole global micro-batch.
     assert result["model_synchronized_weights"] <= ATOL, result
     assert result["model_local_vs_global_weights"] > 10 * ATOL, result
+
+
+# ---------------------------------------------------------------- example
+
+
+def test_batch_norm_example_quick_matches_big_batch_statistics():
+    result = run_script("examples/batch_norm.py", "--quick")  # has a timeout
+    assert result.returncode == 0, describe(result)
+    match = re.search(r"max \|moving_accum - moving_bigbatch\| = (\S+)", result.stdout)
+    assert match, describe(result)
+    assert float(match.group(1)) <= 1e-5, describe(result)
+    assert "| keras-bn |" in result.stdout, describe(result)
