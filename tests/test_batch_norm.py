@@ -127,7 +127,10 @@ def test_mid_cycle_leaves_moving_statistics_alone():
     assert int(ours._accumulator.micro_step.numpy()) == 2
 
 
-def test_masks_are_honoured_as_keras_does():
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_masks_are_honoured_as_keras_does(axis):
+    # axis=1: Keras broadcasts the mask over the last axis, so the channels
+    # have different numbers of unmasked elements.
     accum_steps, micro, cycles = 2, 3, 2
     x = heterogeneous(accum_steps * cycles, micro, (5, 2))
     rng = np.random.default_rng(1)
@@ -135,8 +138,8 @@ def test_masks_are_honoured_as_keras_does():
     masks[:, 0] = True  # no micro-batch entirely masked
     # Masked entries hold huge values: counting any of them would show.
     x = np.where(masks[..., None], x, 1e4).astype("float32")
-    ours = AccumBatchNormalization(accum_steps=accum_steps, momentum=0.5)
-    keras_bn = keras.layers.BatchNormalization(momentum=0.5)
+    ours = AccumBatchNormalization(accum_steps=accum_steps, axis=axis, momentum=0.5)
+    keras_bn = keras.layers.BatchNormalization(axis=axis, momentum=0.5)
     run_layer_cycles(ours, x, micro, masks)
     run_keras_big_batches(keras_bn, x, micro * accum_steps, masks)
     assert_stats_close(moving_stats(ours), moving_stats(keras_bn))
