@@ -177,6 +177,9 @@ class Accumulator(tf.Module):
             shape=shape,
             dtype=dtype,
             trainable=False,
+            # A layer's step runs inside Keras' autocast scope, where reading
+            # an autocast float variable yields a float16 copy, not the state.
+            autocast=False,
             name=f"{self._prefix}_{name}",
             **kwargs,
         )

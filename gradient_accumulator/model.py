@@ -13,6 +13,7 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
 
 from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import (
     PARTIAL_CYCLE,
@@ -205,7 +206,9 @@ class GradientAccumulateModel(keras.Model):
     # ---------------------------------------------------------------- training
     def train_step(self, data):
         accumulator = self._accumulator
-        if self._plain_keras_step():
+        fast_path = self._plain_keras_step()
+        self._link_batch_norm(follow=not fast_path)
+        if fast_path:
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         with tf.GradientTape() as tape:
@@ -278,6 +281,16 @@ class GradientAccumulateModel(keras.Model):
             # Samples (over all replicas) in the last applied cycle.
             "effective_batch": tf.convert_to_tensor(state.last_batch),
         }
+
+    def _link_batch_norm(self, follow: bool) -> None:
+        """Makes every AccumBatchNormalization (nested models included)
+        update its moving statistics on this model's cycle: one counter, and
+        their sums ride in the gradients' single all-reduce. Off the engine
+        path (``follow=False``) the layers act alone; both check their
+        ``accum_steps`` against the model's."""
+        for layer in self._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, AccumBatchNormalization):
+                layer.follow_model(self._accumulator, link=follow)
 
     def _micro_batch_weight(self, x, y_pred, sample_weight):
         """This micro-batch's share of the big batch's loss denominator.

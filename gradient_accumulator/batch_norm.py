@@ -1,0 +1,418 @@
+"""Batch normalisation whose moving statistics are those of the big batch.
+
+:class:`AccumBatchNormalization` normalises each micro-batch exactly as
+``keras.layers.BatchNormalization`` does, but instead of updating the moving
+mean and variance on every call it pools the micro-batches' moments (merged
+as in Chan's parallel algorithm, in float32) in an :class:`Accumulator` and,
+once per cycle, updates the moving statistics as Keras' layer would on the
+concatenated big batch. :func:`replace_batchnorm_layers` converts a model.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import keras
+import tensorflow as tf
+from keras import ops
+from keras.src.layers.normalization.batch_normalization import _clone_initializer
+
+from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.validation import check_accum_steps, check_bool
+
+# Keras' BatchNormalization config keys for batch renormalisation, which this
+# layer does not implement (its moving statistics are not averages of batch
+# statistics, so pooling does not define them).
+_RENORM_KEYS = ("renorm", "renorm_clipping", "renorm_momentum")
+
+
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
+class AccumBatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` for gradient accumulation.
+
+    In training, each micro-batch is normalised with its own statistics, as
+    Keras' layer does (accumulation cannot change that: the big batch is never
+    in memory). The moving mean and variance, however, are updated once per
+    cycle of ``accum_steps`` micro-batches, with the exact mean and (biased)
+    variance of the whole effective batch, every replica included: after a
+    cycle they equal those of ``keras.layers.BatchNormalization`` trained on
+    the concatenated big batch. Inference is exactly Keras' layer.
+
+    Inside a :class:`GradientAccumulateModel` the layer follows the model's
+    cycle (one counter, one all-reduce per cycle) and ``accum_steps`` may be
+    omitted. Elsewhere (a plain ``keras.Model``, e.g. with
+    :class:`GradientAccumulateOptimizer`) the layer counts its own training
+    calls; ``accum_steps=None`` then means 1, i.e. exactly Keras' layer.
+
+    A cycle whose pooled statistics (or, inside a model, whose gradients)
+    contain a NaN or an Inf leaves the moving statistics unchanged.
+
+    Args:
+        accum_steps: micro-batches per cycle (an ``int >= 1``), or ``None`` to
+            take it from the enclosing :class:`GradientAccumulateModel`. An
+            explicit value must equal the model's.
+        axis, momentum, epsilon, center, scale, beta_initializer,
+        gamma_initializer, moving_mean_initializer,
+        moving_variance_initializer, beta_regularizer, gamma_regularizer,
+        beta_constraint, gamma_constraint: as for
+            ``keras.layers.BatchNormalization``.
+        synchronized: as for ``keras.layers.BatchNormalization``: under a
+            ``tf.distribute`` strategy, also normalise the forward pass with
+            the statistics of all replicas' micro-batches. The moving
+            statistics always pool every replica, whatever this flag.
+        **kwargs: base layer arguments (``name``, ``dtype``, ``trainable``).
+
+    Example:
+
+    >>> import keras
+    >>> from gradient_accumulator import AccumBatchNormalization
+    >>> from gradient_accumulator import GradientAccumulateModel
+    >>> inputs = keras.Input((8,))
+    >>> h = AccumBatchNormalization()(keras.layers.Dense(16)(inputs))
+    >>> model = GradientAccumulateModel(4, inputs=inputs, outputs=h)
+    """
+
+    def __init__(
+        self,
+        accum_steps: int | None = None,
+        axis: int = -1,
+        momentum: float = 0.99,
+        epsilon: float = 1e-3,
+        center: bool = True,
+        scale: bool = True,
+        beta_initializer="zeros",
+        gamma_initializer="ones",
+        moving_mean_initializer="zeros",
+        moving_variance_initializer="ones",
+        beta_regularizer=None,
+        gamma_regularizer=None,
+        beta_constraint=None,
+        gamma_constraint=None,
+        synchronized: bool = False,
+        **kwargs,
+    ):
+        if accum_steps is not None:
+            check_accum_steps(accum_steps)
+        _check_no_renorm(kwargs)
+        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+            raise TypeError(
+                "`axis` must be an integer (the features axis, e.g. -1 or 1). "
+                f"Received: axis={axis!r}."
+            )
+        _check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
+        _check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
+        check_bool("center", center)
+        check_bool("scale", scale)
+        check_bool("synchronized", synchronized)
+        super().__init__(
+            axis=axis,
+            momentum=momentum,
+            epsilon=epsilon,
+            center=center,
+            scale=scale,
+            beta_initializer=beta_initializer,
+            gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer,
+            gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint,
+            gamma_constraint=gamma_constraint,
+            synchronized=synchronized,
+            **kwargs,
+        )
+        self._requested_accum_steps = accum_steps
+        # Standalone, omitting accum_steps means one call per cycle: exactly
+        # Keras' layer. A model it follows overrides the cycle anyway.
+        self._accumulator = Accumulator(
+            1 if accum_steps is None else accum_steps,
+            track=self._track_state,
+            name="accumulator",
+        )
+
+    # ----------------------------------------------------------------- config
+    @property
+    def accum_steps(self) -> int | None:
+        """Micro-batches per cycle as given (``None``: the model's)."""
+        return self._requested_accum_steps
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        for key in _RENORM_KEYS:
+            config.pop(key, None)
+        config["accum_steps"] = self._requested_accum_steps
+        return config
+
+    def _track_state(self, variable) -> None:
+        # The engine creates its variables after Keras' build has run; keep
+        # the tracker's lock as Keras left it.
+        locked = self._tracker.locked
+        self._tracker.unlock()
+        self._track_variable(variable)
+        if locked:
+            self._tracker.lock()
+
+    def build(self, input_shape) -> None:
+        super().build(input_shape)
+        # The shift of the pooled sums: the last cycle's exact big-batch mean
+        # (the moving mean's initial value before the first cycle). The same
+        # on every replica and constant within a cycle, and, unlike the moving
+        # mean, which lags by ~1/(1 - momentum) cycles, close to the current
+        # mean: summing x - s instead of x avoids the cancellation of
+        # E[x^2] - E[x]^2 when |mean| >> std.
+        self.accumulation_shift = self.add_weight(
+            shape=self.moving_mean.shape,
+            name="accumulation_shift",
+            initializer=_clone_initializer(self.moving_mean_initializer),
+            trainable=False,
+            autocast=False,
+        )
+        # One per-channel buffer per sum of _accumulate_statistics, keyed by
+        # (and shaped like) these variables.
+        self._accumulator.build(
+            [self.moving_mean, self.moving_variance, self.accumulation_shift]
+        )
+
+    def load_own_variables(self, store) -> None:
+        super().load_own_variables(store)
+        self._accumulator._restored_accum_steps()
+
+    # -------------------------------------------------------------- the cycle
+    def follow_model(self, leader: Accumulator, link: bool = True) -> None:
+        """Makes the moving statistics follow ``leader``'s cycle.
+
+        Called by :class:`GradientAccumulateModel` at the start of every
+        traced train step with its accumulator; ``link=False`` (the model's
+        plain-Keras fast path) only checks ``accum_steps``.
+        """
+        requested = self._requested_accum_steps
+        if requested is not None and requested != leader.accum_steps:
+            raise ValueError(
+                f"AccumBatchNormalization {self.name!r} was given "
+                f"accum_steps={requested}, but the GradientAccumulateModel it "
+                f"belongs to uses accum_steps={leader.accum_steps}. Omit "
+                "accum_steps (accum_steps=None) to take it from the model."
+            )
+        if link:
+            self._accumulator.follow(leader)
+
+    # ---------------------------------------------------------------- forward
+    def call(self, inputs, training=None, mask=None):
+        if not (training and self.trainable):
+            return super().call(inputs, training=False, mask=mask)
+        if mask is not None and len(mask.shape) != len(inputs.shape) - 1:
+            raise ValueError(
+                "The mask provided should be one dimension less than the "
+                f"inputs. Received: mask.shape={mask.shape}, "
+                f"inputs.shape={inputs.shape}"
+            )
+        # As Keras' layer: statistics and normalisation in (at least) float32.
+        compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
+        inputs = ops.cast(inputs, compute_dtype)
+        gamma = ops.cast(self.gamma, compute_dtype) if self.scale else None
+        beta = ops.cast(self.beta, compute_dtype) if self.center else None
+        mean, variance = self._moments(inputs, mask)
+        self._accumulate_statistics(inputs, mask, mean, variance)
+        outputs = ops.batch_normalization(
+            x=inputs,
+            mean=mean,
+            variance=variance,
+            axis=self.axis,
+            offset=beta,
+            scale=gamma,
+            epsilon=self.epsilon,
+        )
+        return ops.cast(outputs, self.compute_dtype)
+
+    def _accumulate_statistics(self, inputs, mask, mean, variance) -> None:
+        """Adds this replica's micro-batch to the cycle's pooled statistics.
+
+        Chan's parallel merge, in float32: with ``n`` the per-channel element
+        count, ``m``, ``v`` the micro-batch's mean and biased variance (the
+        very moments Keras computes) and ``s`` the shift, the engine sums
+        ``n (m - s)``, ``n (v + (m - s)^2)`` and ``n``. Those are the sums of
+        ``x - s`` and ``(x - s)^2`` over the micro-batch, so the pooled
+        statistics are the big batch's, and the only cancellation left is of
+        ``(mean - s)^2``, small because ``s`` is the last big batch's mean.
+        """
+        if self.synchronized and mask is None:
+            # The forward pass used every replica's moments; the pool needs
+            # this replica's own (the engine sums replicas at the cycle end).
+            mean, variance = ops.moments(inputs, axes=self._reduction_axes)
+        channels = self.moving_mean.shape[0]
+        mean = tf.reshape(tf.cast(mean, tf.float32), [channels])
+        variance = tf.reshape(tf.cast(variance, tf.float32), [channels])
+        if mask is None:
+            shape = tf.shape(inputs, out_type=tf.int64)
+            size = tf.reduce_prod(tf.gather(shape, self._reduction_axes))
+            count = tf.fill([channels], tf.cast(size, tf.float32))
+        else:
+            # Keras' masked moments: the mask broadcast on a new last axis.
+            weights = tf.cast(tf.expand_dims(mask, -1), tf.float32)
+            weights = tf.broadcast_to(weights, tf.shape(inputs))
+            count = tf.reshape(
+                tf.reduce_sum(weights, axis=self._reduction_axes), [channels]
+            )
+        shift = tf.cast(self.accumulation_shift, tf.float32)
+        offset = mean - shift
+        sums = [count * offset, count * (variance + tf.square(offset)), count]
+        self._accumulator.step(
+            [tf.stop_gradient(t) for t in sums],
+            [self.moving_mean, self.moving_variance, self.accumulation_shift],
+            apply_fn=self._apply_statistics,
+            weight=None,
+            # Counts may differ per channel (masks on a non-last axis), so
+            # they travel as a third sum; the engine's scalar divisor, the
+            # number of calls, cancels out.
+            count=1.0,
+        )
+
+    def _apply_statistics(self, means) -> None:
+        """Updates the moving statistics from the cycle's pooled sums.
+
+        ``means`` are the sums of :meth:`_accumulate_statistics` over the
+        whole effective batch (all micro-batches, all replicas), each divided
+        by the same number.
+        """
+        centred_sum, square_sum, count = means
+        centred_mean = tf.math.divide_no_nan(centred_sum, count)
+        centred_square = tf.math.divide_no_nan(square_sum, count)
+        mean = tf.cast(self.accumulation_shift, tf.float32) + centred_mean
+        # Biased variance, as Keras' layer uses; rounding can make a constant
+        # channel's variance a hair negative.
+        variance = tf.maximum(centred_square - tf.square(centred_mean), 0.0)
+        dtype = self.moving_mean.dtype
+        moving_mean = ops.cast(self.moving_mean, dtype)
+        moving_variance = ops.cast(self.moving_variance, dtype)
+        mean = ops.cast(mean, dtype)
+        variance = ops.cast(variance, dtype)
+        # Keras' update, verbatim (not assign_moving_average's form).
+        self.moving_mean.assign(
+            moving_mean * self.momentum + mean * (1.0 - self.momentum)
+        )
+        self.moving_variance.assign(
+            moving_variance * self.momentum + variance * (1.0 - self.momentum)
+        )
+        self.accumulation_shift.assign(ops.cast(mean, self.accumulation_shift.dtype))
+
+
+def _check_range(name: str, value, accepted: str, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
+    if not low <= value <= high:
+        raise ValueError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
+
+
+def _check_no_renorm(kwargs: dict) -> None:
+    renorm = kwargs.pop("renorm", False)
+    kwargs.pop("renorm_clipping", None)
+    kwargs.pop("renorm_momentum", None)
+    if renorm:
+        raise ValueError(
+            "AccumBatchNormalization does not support batch renormalisation "
+            "(`renorm=True`). Received: renorm=True."
+        )
+
+
+def replace_batchnorm_layers(
+    model: keras.Model, accum_steps: int | None = None, position: str = "replace"
+) -> keras.Model:
+    """Returns a copy of ``model`` with every ``BatchNormalization`` accumulating.
+
+    Every ``keras.layers.BatchNormalization`` (in nested functional and
+    ``Sequential`` models too) becomes an :class:`AccumBatchNormalization`
+    with the same configuration, gamma, beta, moving mean and moving
+    variance; every other layer is copied with its weights. In inference the
+    returned model predicts exactly what ``model`` predicts. ``model`` itself
+    is left untouched (no layer or variable is shared).
+
+    Args:
+        model: a functional or ``Sequential`` ``keras.Model`` (a
+            :class:`GradientAccumulateModel` stays one, with its settings).
+            Subclassed models cannot be rebuilt layer by layer: use
+            :class:`AccumBatchNormalization` in their code instead.
+        accum_steps: given to every new layer; ``None`` (the default) takes it
+            from the :class:`GradientAccumulateModel` the layers end up in.
+        position: only ``"replace"``, accepted for 0.5.x compatibility.
+
+    Returns:
+        The converted model, compiled like ``model`` if ``model`` was.
+        Subclasses of ``BatchNormalization`` are copied unchanged.
+    """
+    from gradient_accumulator.model import GradientAccumulateModel
+
+    if position != "replace":
+        raise ValueError(
+            f"`position` must be 'replace'. Received: position={position!r}."
+        )
+    if accum_steps is not None:
+        check_accum_steps(accum_steps)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model (functional or Sequential). "
+            f"Received: model={model!r} of type {type(model).__name__}."
+        )
+    if not isinstance(model, keras.Sequential) and not _is_functional(model):
+        raise TypeError(
+            "replace_batchnorm_layers can only rebuild functional or Sequential "
+            f"models; {type(model).__name__!r} is subclassed. Use "
+            "AccumBatchNormalization in its code instead."
+        )
+
+    pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
+
+    def clone(layer):
+        config = layer.get_config()
+        if type(layer) is keras.layers.BatchNormalization:
+            if config.get("renorm"):
+                raise ValueError(
+                    f"BatchNormalization {layer.name!r} uses renorm=True, which "
+                    "AccumBatchNormalization does not support."
+                )
+            new = AccumBatchNormalization.from_config(
+                {**config, "accum_steps": accum_steps}
+            )
+        else:
+            new = layer.__class__.from_config(config)
+        pairs.append((layer, new))
+        return new
+
+    source = model
+    if isinstance(model, GradientAccumulateModel):
+        # Clone the graph alone: Keras would call the model's class with
+        # (inputs, outputs), which this constructor reads as accum_steps.
+        source = keras.Model(model.inputs, model.outputs, name=model.name)
+    new_model = keras.models.clone_model(source, clone_function=clone, recursive=True)
+    for old, new in pairs:
+        if isinstance(new, AccumBatchNormalization) and not isinstance(
+            old, AccumBatchNormalization
+        ):
+            for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+                source, target = getattr(old, name), getattr(new, name)
+                if source is not None:
+                    target.assign(source)
+            new.accumulation_shift.assign(old.moving_mean)
+        elif old.weights:
+            new.set_weights(old.get_weights())
+
+    if isinstance(model, GradientAccumulateModel):
+        accumulator = model._accumulator
+        functional = new_model
+        new_model = GradientAccumulateModel(
+            accum_steps=accumulator.accum_steps,
+            use_agc=accumulator.use_agc,
+            clip_factor=accumulator.clip_factor,
+            eps=accumulator.eps,
+            inputs=functional.inputs,
+            outputs=functional.outputs,
+            name=model.name,
+        )
+        if model.compiled:
+            new_model.compile_from_config(model.get_compile_config())
+    return new_model
+
+
+def _is_functional(model) -> bool:
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional)
