@@ -352,6 +352,7 @@ def test_keras_file_round_trip_mid_cycle(tmp_path):
             AccumBatchNormalization(momentum=MOMENTUM, epsilon=2e-3),
             GradientAccumulateModel,
             accum_steps=accum_steps,
+            flush_at_end=False,  # saved mid-cycle on purpose
         )
     )
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

@@ -352,3 +352,39 @@ def test_agc_acts_once_on_the_accumulated_gradient():
     )
     assert clipped_anything > 1e-4
     utils.assert_same_weights(got, expected, atol=1e-6)
+
+
+def test_flush_includes_batch_norm_statistics():
+    """A flushed partial cycle also updates AccumBatchNormalization's moving
+    statistics with the pooled statistics of exactly the flushed
+    micro-batches (inputs that do not depend on weights: BN comes first)."""
+    from gradient_accumulator import AccumBatchNormalization
+
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=(20, 8)) * np.arange(1, 21)[:, None]).astype("float32")
+    _, y = utils.classification_data(20)
+
+    def build(norm, model_cls, **kwargs):
+        inputs = keras.Input((8,))
+        outputs = keras.layers.Dense(3)(norm(inputs))
+        model = model_cls(inputs=inputs, outputs=outputs, **kwargs)
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+        return model
+
+    reference = build(keras.layers.BatchNormalization(momentum=0.5), keras.Model)
+    _fit(reference, x, y, batch_size=32, epochs=2)
+    model = build(
+        AccumBatchNormalization(momentum=0.5),
+        GradientAccumulateModel,
+        accum_steps=K,
+        partial_cycle="flush",
+    )
+    _fit(model, x, y, epochs=2)
+    ours, theirs = model.layers[1], reference.layers[1]
+    assert int(model.optimizer.iterations) == 2
+    for a, b in [
+        (ours.moving_mean, theirs.moving_mean),
+        (ours.moving_variance, theirs.moving_variance),
+    ]:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert float(np.max(np.abs(np.asarray(ours.moving_mean)))) > 0.1
