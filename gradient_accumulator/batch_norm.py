@@ -51,11 +51,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         accum_steps: micro-batches per cycle (an ``int >= 1``), or ``None`` to
             take it from the enclosing :class:`GradientAccumulateModel`. An
             explicit value must equal the model's.
-        axis, momentum, epsilon, center, scale, beta_initializer,
-        gamma_initializer, moving_mean_initializer,
-        moving_variance_initializer, beta_regularizer, gamma_regularizer,
-        beta_constraint, gamma_constraint: as for
-            ``keras.layers.BatchNormalization``.
+        axis: as for ``keras.layers.BatchNormalization``, and likewise
+            ``momentum``, ``epsilon``, ``center``, ``scale``, the
+            initializers, regularizers and constraints of gamma, beta and
+            the moving statistics.
         synchronized: as for ``keras.layers.BatchNormalization``: under a
             ``tf.distribute`` strategy, also normalise the forward pass with
             the statistics of all replicas' micro-batches. The moving

@@ -3,13 +3,8 @@ and no need for matplotlib when ``--plot`` is not given."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.processes import describe, run_script
 
-REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # Runs the demo as __main__ with matplotlib made unimportable (a None entry
@@ -21,31 +16,11 @@ WITHOUT_MATPLOTLIB = (
 )
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-
-
-def describe(result: subprocess.CompletedProcess) -> str:
-    return (
-        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
-        f"\n--- stderr ---\n{result.stderr[-4000:]}"
-    )
-
-
 def test_plot_writes_loss_and_memory_pngs(tmp_path):
     import matplotlib.image
 
     out = tmp_path / "plots"
-    result = run("examples/digits_demo.py", "--quick", "--plot", str(out))
+    result = run_script("examples/digits_demo.py", "--quick", "--plot", str(out))
     assert result.returncode == 0, describe(result)
     for name in ("digits-loss-per-update.png", "digits-peak-memory.png"):
         path = out / name
@@ -58,13 +33,13 @@ def test_plot_writes_loss_and_memory_pngs(tmp_path):
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path):
-    result = run("-c", WITHOUT_MATPLOTLIB, "--quick", "--plot", str(tmp_path))
+    result = run_script("-c", WITHOUT_MATPLOTLIB, "--quick", "--plot", str(tmp_path))
     assert result.returncode == 2, describe(result)
     assert "--plot needs matplotlib" in result.stderr, describe(result)
     assert "digits:" not in result.stdout  # it stopped before training
 
 
 def test_demo_runs_without_matplotlib():
-    result = run("-c", WITHOUT_MATPLOTLIB, "--quick")
+    result = run_script("-c", WITHOUT_MATPLOTLIB, "--quick")
     assert result.returncode == 0, describe(result)
     assert "OK: accumulation reproduced the big-batch training." in result.stdout

@@ -7,43 +7,26 @@ child process (autodoc imports the package, hence TensorFlow).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import gradient_accumulator
-
-REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
+from tests.processes import REPO, describe, run_script
 
 
 def test_docs_build_without_warnings(tmp_path):
     html = tmp_path / "html"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sphinx",
-            "-W",  # any warning fails the build
-            "--keep-going",  # ... after reporting all of them
-            "-q",
-            "-b",
-            "html",
-            "-d",
-            str(tmp_path / "doctrees"),
-            "docs",
-            str(html),
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
+    result = run_script(
+        "-m",
+        "sphinx",
+        "-W",  # any warning fails the build
+        "--keep-going",  # ... after reporting all of them
+        "-q",
+        "-b",
+        "html",
+        "-d",
+        str(tmp_path / "doctrees"),
+        "docs",
+        str(html),
     )
-    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, describe(result)
 
     api = (html / "api.html").read_text(encoding="utf-8")
     for name in gradient_accumulator.__all__:

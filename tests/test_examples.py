@@ -7,36 +7,12 @@ timings depend on the machine and are never asserted.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
+from tests.processes import describe, run_script
+
 WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
 TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
-
-
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-
-
-def describe(result: subprocess.CompletedProcess) -> str:
-    return (
-        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
-        f"\n--- stderr ---\n{result.stderr[-4000:]}"
-    )
 
 
 def test_digits_demo_quick_matches_big_batch():

@@ -10,8 +10,6 @@ models.
 
 from __future__ import annotations
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -28,13 +26,6 @@ UPDATES = EPOCHS * N // (B * K)
 
 def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _report(diff: float) -> float:
-    """Prints the max weight difference (visible with ``pytest -s``)."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    print(f"\n[max |w_accum - w_bigbatch|] {test}: {diff:.3g}")
-    return diff
 
 
 def _mlp_data(n: int = N):
@@ -93,7 +84,7 @@ def _assert_equivalent(initial, reference, accumulated, updates=UPDATES) -> floa
     )
     assert int(reference.optimizer.iterations) == updates
     assert int(accumulated.optimizer.iterations) == updates
-    return _report(diff)
+    return utils.report(diff)
 
 
 # ------------------------------------------------------------- optimizers

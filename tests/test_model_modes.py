@@ -8,8 +8,6 @@ scaled by ``1 / accum_steps``).
 
 from __future__ import annotations
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -26,13 +24,6 @@ EPOCHS = 2
 
 def _loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _report(diff: float) -> float:
-    """Prints the max weight difference (visible with ``pytest -s``)."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    print(f"\n[max |w_accum - w_reference|] {test}: {diff:.3g}")
-    return diff
 
 
 def _plain():
@@ -85,7 +76,7 @@ def test_jit_compile_matches_big_batch():
     diff = utils.assert_same_weights(
         utils.weights(accumulated), utils.weights(reference)
     )
-    _report(diff)
+    utils.report(diff, "max |w_accum - w_reference|")
     updates = EPOCHS * n // (B * K)
     assert int(accumulated.optimizer.iterations) == updates
 
@@ -113,7 +104,7 @@ def test_steps_per_execution_crosses_cycles():
     diff = utils.assert_same_weights(
         utils.weights(accumulated), utils.weights(reference)
     )
-    _report(diff)
+    utils.report(diff, "max |w_accum - w_reference|")
     updates = EPOCHS * n // (B * K)
     assert int(reference.optimizer.iterations) == updates
     assert int(accumulated.optimizer.iterations) == updates
@@ -137,7 +128,7 @@ def test_accum_steps_one_is_plain_keras_bit_for_bit():
 
     utils.assert_trained(initial, utils.weights(reference))
     got, want = utils.weights(model), utils.weights(reference)
-    diff = _report(utils.max_abs_diff(got, want))
+    diff = utils.report(utils.max_abs_diff(got, want), "max |w_accum - w_reference|")
     assert all(np.array_equal(a, b) for a, b in zip(got, want)), f"max diff {diff}"
     assert int(model.optimizer.iterations) == int(reference.optimizer.iterations)
     assert int(model.optimizer.iterations) == EPOCHS * n // B

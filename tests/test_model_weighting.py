@@ -11,8 +11,6 @@ micro-batches (the naive mean) would have given measurably different weights.
 
 from __future__ import annotations
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -31,13 +29,6 @@ T = 10  # sequence length
 
 def _sparse_ce():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _report(diff: float) -> float:
-    """Prints the max weight difference (visible with ``pytest -s``)."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    print(f"\n[max |w_accum - w_bigbatch|] {test}: {diff:.3g}")
-    return diff
 
 
 def _train_pair(
@@ -96,7 +87,7 @@ def _assert_equivalent(initial, reference, accumulated, updates: int) -> float:
     )
     assert int(reference.optimizer.iterations) == updates
     assert int(accumulated.optimizer.iterations) == updates
-    return _report(diff)
+    return utils.report(diff)
 
 
 def _naive_sgd_step(layers, x, y, lr: float, make_loss=_sparse_ce, sample_weight=None):

@@ -8,10 +8,7 @@ and name that layer.
 from __future__ import annotations
 
 import configparser
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -24,10 +21,9 @@ from gradient_accumulator import (
     cli,
     verify,
 )
+from tests.processes import REPO, describe, run_script
 from tests.utils import ATOL, classification_data, mlp_layers
 
-REPO = Path(__file__).resolve().parents[1]
-TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
@@ -264,24 +260,8 @@ def test_multi_input_dict_data():
 
 
 # ------------------------------------------------------------------- console
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run(
-        [sys.executable, "-m", "gradient_accumulator.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-
-
-def describe(result: subprocess.CompletedProcess) -> str:
-    return (
-        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
-        f"\n--- stderr ---\n{result.stderr[-4000:]}"
-    )
+def run_cli(*args: str):
+    return run_script("-m", "gradient_accumulator.cli", *args)
 
 
 SMALL = ("--micro-batch", "8", "--accum-steps", "2", "--steps", "3")

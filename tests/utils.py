@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import keras
@@ -50,6 +51,13 @@ def weights(model: keras.Model) -> list[np.ndarray]:
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def report(diff: float, label: str = "max |w_accum - w_bigbatch|") -> float:
+    """Prints a measured difference (visible with ``pytest -s``); returns it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    print(f"\n[{label}] {test}: {diff:.3g}")
+    return diff
 
 
 def assert_same_weights(a, b, atol: float = ATOL) -> float:

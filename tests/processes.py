@@ -1,0 +1,33 @@
+"""Running the repository's scripts in child processes, as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
+
+
+def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root, on the CPU, bounded in time."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def describe(result: subprocess.CompletedProcess) -> str:
+    """A child's exit code and the tails of its output, for assertion messages."""
+    return (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
+        f"\n--- stderr ---\n{result.stderr[-4000:]}"
+    )
