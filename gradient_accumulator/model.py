@@ -196,6 +196,11 @@ class GradientAccumulateModel(keras.Model):
                 # A subclassed model creates its variables in the forward pass.
                 with tf.init_scope():
                     accumulator.build(self.trainable_weights)
+            if not self.optimizer.built:
+                # Without a strategy Keras builds the optimizer at its first
+                # apply, but the loss scale is read (below) before that.
+                with tf.init_scope():
+                    self.optimizer.build(self.trainable_weights)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
