@@ -181,13 +181,12 @@ class GradientAccumulateModel(keras.Model):
     def _apply_fn(self, variables):
         return lambda grads: apply_gradients(self.optimizer, grads, variables)
 
-    def _micro_batch_gradients(self, x, y, sample_weight, first=None) -> _Micro:
+    def _micro_batch_gradients(self, x, y, sample_weight, opens_step=None) -> _Micro:
         """Forward pass, loss, weight and gradients of one micro-batch.
 
         Shared by the streaming ``train_step`` (one micro-batch per step) and
-        the in-step loop (one per slice). ``first``: whether this micro-batch
-        opens the cycle (default: the cycle is empty), see
-        :meth:`_micro_batch_weight`.
+        the in-step loop (one per slice). ``opens_step``: for a slice, whether
+        it is its step's first (see :meth:`_micro_batch_weight`).
         """
         accumulator = self._accumulator
         with tf.GradientTape() as tape:
@@ -209,7 +208,9 @@ class GradientAccumulateModel(keras.Model):
             # summed micro-batch weights itself, so differentiate the per-replica
             # loss as it is.
             loss = unscale_loss_for_distribution(loss)
-            weight, count = self._micro_batch_weight(x, y_pred, sample_weight, first)
+            weight, count = self._micro_batch_weight(
+                x, y_pred, sample_weight, opens_step
+            )
             # Weighting the scalar loss rather than the gradients spares a
             # multiply over every gradient element on every micro-step.
             objective = self.optimizer.scale_loss(loss * tf.stop_gradient(weight))
@@ -257,8 +258,7 @@ class GradientAccumulateModel(keras.Model):
             pick = functools.partial(_slice, start=start, length=length)
             xs, ys, ws = (tf.nest.map_structure(pick, t) for t in (x, y, sample_weight))
             opens_step = tf.equal(start, 0)
-            first = tf.logical_and(opens_step, tf.equal(accumulator.micro_step, 0))
-            micro = self._micro_batch_gradients(xs, ys, ws, first=first)
+            micro = self._micro_batch_gradients(xs, ys, ws, opens_step=opens_step)
             present.append(
                 accumulator.add(
                     micro.grads,
@@ -334,12 +334,13 @@ class GradientAccumulateModel(keras.Model):
         terms = getattr(self._compile_loss, "_flat_losses", None) or []
         return len(terms) == 1 and getattr(terms[0].loss, "reduction", None) == "sum"
 
-    def _micro_batch_weight(self, x, y_pred, sample_weight, first=None):
+    def _micro_batch_weight(self, x, y_pred, sample_weight, opens_step=None):
         """This micro-batch's share of the big batch's loss denominator.
 
-        Returns ``(weight, count)`` for :meth:`Accumulator.step`. ``first``
-        (a bool tensor) says whether the micro-batch opens its cycle; by
-        default, whether the cycle is still empty.
+        Returns ``(weight, count)`` for :meth:`Accumulator.step`. A
+        micro-batch opens its cycle if the cycle is still empty and, for an
+        in-step slice, if it is its step's first (``opens_step``, a bool
+        tensor): later slices of the step do not advance the counter.
         """
         batch = tf.cast(_batch_size(x), tf.float32)
         terms = getattr(self._compile_loss, "_flat_losses", None) or []
@@ -358,8 +359,9 @@ class GradientAccumulateModel(keras.Model):
         if reduction == "sum":
             # The big batch's loss is the plain sum of the micro-batches': the
             # divisor is 1 for the cycle, however many micro-batches it holds.
-            if first is None:
-                first = tf.equal(self._accumulator.clock.micro_step, 0)
+            first = tf.equal(self._accumulator.clock.micro_step, 0)
+            if opens_step is not None:
+                first = tf.logical_and(first, opens_step)
             return tf.constant(1.0), tf.cast(first, tf.float32)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             weights = apply_mask(

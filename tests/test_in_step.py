@@ -273,6 +273,52 @@ def test_accum_steps_compose_with_micro_batches():
     _assert_equivalent(initial, reference, model, EPOCHS * n // 32)
 
 
+# ------------------------------------------------------------ other modes
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [{"steps_per_execution": 3}, {"run_eagerly": True}],
+    ids=["steps_per_execution", "run_eagerly"],
+)
+def test_execution_modes_match_big_batch(compile_kwargs):
+    """Several steps per execution (the slice loop inside Keras' step loop)
+    and eager execution (the loop and remainder run in Python)."""
+    x, y = utils.classification_data(60)
+    initial, reference, model, _, _ = _train_pair(
+        utils.mlp_layers,
+        _sgd,
+        x,
+        y,
+        batch_size=30,
+        model_compile_kwargs=compile_kwargs,
+    )
+    _assert_equivalent(initial, reference, model, EPOCHS * 2)
+
+
+class _Subclassed(GradientAccumulateModel):
+    def __init__(self, **kwargs):
+        super().__init__(micro_batch_size=M, **kwargs)
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_subclassed_model_built_inside_the_loop_matches_big_batch():
+    """A subclassed model creates its variables (and the engine its state)
+    in its first forward pass, which here runs inside the slice loop."""
+    x, y = utils.classification_data(60)
+    reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    initial = utils.weights(reference)
+    reference.compile(optimizer=_sgd(), loss=_sparse_ce())
+    reference.fit(x, y, batch_size=30, epochs=EPOCHS, shuffle=False, verbose=0)
+    model = utils.seeded(_Subclassed)
+    assert not model.built
+    model.compile(optimizer=_sgd(), loss=_sparse_ce())
+    model.fit(x, y, batch_size=30, epochs=EPOCHS, shuffle=False, verbose=0)
+    _assert_equivalent(initial, reference, model, EPOCHS * 2)
+
+
 # ------------------------------------------------------------------- XLA
 def test_jit_compile_matches_big_batch():
     """jit_compile=True: XLA compiles the slice loop (static slice shapes)
