@@ -444,8 +444,12 @@ _MIRRORED_CHILD = textwrap.dedent(
         x, y = utils.classification_data(n)
         reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
         initial = utils.weights(reference)
-        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
-        reference.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        reference.compile(
+            optimizer=keras.optimizers.Adam(0.01), loss=loss(), metrics=["accuracy"]
+        )
+        expected = reference.fit(
+            x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0
+        ).history
 
         strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
         assert strategy.num_replicas_in_sync == 2
@@ -456,13 +460,20 @@ _MIRRORED_CHILD = textwrap.dedent(
                     micro_batch_size=8, inputs=inputs, outputs=outputs
                 )
             model = utils.seeded(build)
-            model.compile(optimizer=keras.optimizers.Adam(0.01), loss=loss())
-        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01), loss=loss(), metrics=["accuracy"]
+            )
+        got = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        logs = max(
+            abs(a / b - 1)
+            for key in ("loss", "accuracy")
+            for a, b in zip(got.history[key], expected[key])
+        )
         moved = utils.max_abs_diff(initial, utils.weights(reference))
         diff = utils.max_abs_diff(utils.weights(model), utils.weights(reference))
         print(
             f"RESULT batch={batch} moved={moved:.3e} diff={diff:.3e} "
-            f"iterations={int(model.optimizer.iterations.numpy())}"
+            f"iterations={int(model.optimizer.iterations.numpy())} logs={logs:.3e}"
         )
     """
 )
@@ -472,7 +483,8 @@ def test_mirrored_strategy_matches_single_device_big_batch():
     """Two logical CPU replicas (a child process: devices must be configured
     before TensorFlow starts). Each replica slices its half of the batch
     (16 = 8+8, and 14 = 8+6); the engine's one all-reduce per update makes
-    it the single-device big batch."""
+    it the single-device big batch, with the big batch's logged loss and
+    accuracy (metrics updated per slice in each replica)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "KERAS_BACKEND": "tensorflow"}
     child = subprocess.Popen(
         [sys.executable, "-c", _MIRRORED_CHILD],
@@ -498,4 +510,5 @@ def test_mirrored_strategy_matches_single_device_big_batch():
         assert float(values["moved"]) > 1e-4, out
         assert float(values["diff"]) <= utils.ATOL, out
         assert int(values["iterations"]) == 4, out
+        assert float(values["logs"]) <= 1e-5, out  # logged loss and accuracy
         print(f"\n[mirrored] {' '.join(fields)}")
