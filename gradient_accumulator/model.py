@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -20,6 +22,7 @@ from gradient_accumulator.validation import (
     check_accum_steps,
     check_bool,
     check_choice,
+    check_micro_batch_size,
     warn_unneeded,
 )
 
@@ -63,6 +66,13 @@ class GradientAccumulateModel(keras.Model):
             called with the accumulated mean gradient at the end of each
             cycle; True skips the cycle (non-finite cycles are always
             skipped). Not saved in ``.keras`` files.
+        micro_batch_size: ``None`` (default) or an ``int >= 1``: in-step
+            micro-batching. Each batch ``fit`` gives ``train_step`` is cut into
+            slices of this many samples (per replica), run one after another
+            inside the step with their gradients accumulated, so one ``fit``
+            step is one micro-step of the cycle (one update with the default
+            ``accum_steps=1``) while memory holds one slice's activations.
+            Exact like the streaming mode: the gradient is the whole batch's.
         *args: passed to ``keras.Model``.
         **kwargs: passed to ``keras.Model`` (``inputs``, ``outputs``,
             ``name``, ...).
@@ -88,6 +98,7 @@ class GradientAccumulateModel(keras.Model):
         clip_factor: float = 0.01,
         eps: float = 1e-3,
         experimental_distributed_support: bool = False,
+        micro_batch_size: int | None = None,
         partial_cycle: str = "carry",
         flush_at_end: bool = True,
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
@@ -95,6 +106,7 @@ class GradientAccumulateModel(keras.Model):
         **kwargs,
     ):
         check_accum_steps(accum_steps)
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
         self._partial_cycle = check_choice(
             "partial_cycle", partial_cycle, PARTIAL_CYCLE
         )
@@ -128,6 +140,7 @@ class GradientAccumulateModel(keras.Model):
         else:
             super().__init__(*args, **kwargs)
         self._accumulator = accumulator
+        self._micro_batch_size = micro_batch_size
         if self.built:
             self._accumulator.build(self.trainable_variables)
 
@@ -136,6 +149,11 @@ class GradientAccumulateModel(keras.Model):
     def accum_steps(self) -> int:
         """Micro-batches per update (the latest value set)."""
         return self._accumulator.accum_steps
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per in-step slice, or None (each batch is one micro-batch)."""
+        return self._micro_batch_size
 
     def set_accum_steps(self, accum_steps: int) -> None:
         """Changes ``accum_steps`` from the next cycle boundary on.
@@ -181,6 +199,7 @@ class GradientAccumulateModel(keras.Model):
             use_agc=self._accumulator.use_agc,
             clip_factor=self._accumulator.clip_factor,
             eps=self._accumulator.eps,
+            micro_batch_size=self._micro_batch_size,
             partial_cycle=self._partial_cycle,
             flush_at_end=self._flush_at_end,
         )
@@ -205,18 +224,53 @@ class GradientAccumulateModel(keras.Model):
 
     # ---------------------------------------------------------------- training
     def train_step(self, data):
+        if self._micro_batch_size is not None:
+            self._link_batch_norm(follow=True)
+            return self._in_step_train_step(data)
         accumulator = self._accumulator
         fast_path = self._plain_keras_step()
         self._link_batch_norm(follow=not fast_path)
         if fast_path:
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        micro = self._micro_batch_gradients(x, y, sample_weight)
+        self._loss_tracker.update_state(micro.loss, sample_weight=micro.samples)
+        on_apply, on_skip = scale_hooks(self.optimizer)
+        accumulator.step(
+            micro.grads,
+            micro.variables,
+            apply_fn=self._apply_fn(micro.variables),
+            weight=micro.grad_weight,
+            count=micro.count,
+            samples=micro.samples,
+            on_apply=on_apply,
+            on_skip=on_skip,
+        )
+        logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
+        return {**logs, **self._cycle_logs()}
+
+    def _apply_fn(self, variables):
+        return lambda grads: apply_gradients(self.optimizer, grads, variables)
+
+    def _micro_batch_gradients(self, x, y, sample_weight, opens_step=None) -> _Micro:
+        """Forward pass, loss, weight and gradients of one micro-batch.
+
+        Shared by the streaming ``train_step`` (one micro-batch per step) and
+        the in-step loop (one per slice). ``opens_step``: for a slice, whether
+        it is its step's first (see :meth:`_micro_batch_weight`).
+        """
+        accumulator = self._accumulator
         with tf.GradientTape() as tape:
             y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
                 with tf.init_scope():
                     accumulator.build(self.trainable_weights)
+            if not self.optimizer.built:
+                # Without a strategy Keras builds the optimizer at its first
+                # apply, but the loss scale is read (below) before that.
+                with tf.init_scope():
+                    self.optimizer.build(self.trainable_weights)
             loss = self._compute_loss(
                 x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
             )
@@ -225,41 +279,132 @@ class GradientAccumulateModel(keras.Model):
             # summed micro-batch weights itself, so differentiate the per-replica
             # loss as it is.
             loss = unscale_loss_for_distribution(loss)
-            self._loss_tracker.update_state(loss, sample_weight=_batch_size(x))
-            weight, count = self._micro_batch_weight(x, y_pred, sample_weight)
-            if not self.optimizer.built:
-                # A LossScaleOptimizer's scale variable exists once it is
-                # built; Keras' train_step builds it later, in apply(), but
-                # the micro-batch is unscaled by that variable before then.
-                with tf.init_scope():
-                    self.optimizer.build(self.trainable_weights)
+            weight, count = self._micro_batch_weight(
+                x, y_pred, sample_weight, opens_step
+            )
             scale = loss_scale(self.optimizer)
             if scale is None:
                 # Weighting the scalar loss rather than the gradients spares
                 # a multiply over every gradient element on every micro-step.
-                loss_weight, weight = tf.stop_gradient(weight), None
+                loss_weight, grad_weight = tf.stop_gradient(weight), None
             else:
                 # Under a loss scale the float16 backward pass must not carry
                 # the weight (it would overflow sooner than Keras' would);
                 # unscaling here keeps every micro-batch's sum in one unit.
-                loss_weight, weight = 1.0, weight / scale
+                loss_weight, grad_weight = 1.0, weight / scale
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
         grads = tape.gradient(objective, variables)
-        on_apply, on_skip = scale_hooks(self.optimizer)
-        accumulator.step(
-            grads,
-            variables,
-            apply_fn=lambda g: apply_gradients(self.optimizer, g, variables),
+        return _Micro(
+            grads=grads,
+            variables=variables,
+            y_pred=y_pred,
+            loss=loss,
             weight=weight,
             count=count,
             samples=_batch_size(x),
+            grad_weight=grad_weight,
+        )
+
+    def _in_step_train_step(self, data):
+        """One ``fit`` step = the batch cut into ``micro_batch_size`` slices,
+        accumulated one after another, then one micro-step of the cycle.
+
+        The full slices run in a ``tf.while_loop`` with
+        ``parallel_iterations=1``, so only one slice's activations and
+        gradients are alive at a time; a short remainder slice (a batch not
+        divisible by the slice size) runs after the loop, in a ``tf.cond``.
+        Slices are added to the replica-local sums only (``Accumulator.add``:
+        no communication, no ``merge_call``, hence legal in a loop body under
+        a strategy); the one ``end_micro_step`` after them decides, all-reduces
+        and applies. Full slices have the static size ``micro_batch_size`` and
+        the remainder's size derives from the batch's shape only, which keeps
+        every slice shape a compile-time constant under XLA.
+        """
+        accumulator = self._accumulator
+        size = self._micro_batch_size
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        batch = _batch_size(x)
+        full = batch // size
+        # Which variables get gradients is structural: the same in every
+        # slice, recorded when the slice is traced (run, when eager).
+        present: list[list[bool]] = []
+
+        def run_slice(start, length):
+            pick = functools.partial(_slice, start=start, length=length)
+            xs, ys, ws = (tf.nest.map_structure(pick, t) for t in (x, y, sample_weight))
+            opens_step = tf.equal(start, 0)
+            micro = self._micro_batch_gradients(xs, ys, ws, opens_step=opens_step)
+            present.append(
+                accumulator.add(
+                    micro.grads,
+                    micro.variables,
+                    weight=micro.grad_weight,
+                    count=micro.count,
+                    samples=micro.samples,
+                )
+            )
+            # Keras' stateful metrics keep additive totals (sums and counts,
+            # confusion counts), so updating them slice by slice equals one
+            # update with the whole batch.
+            self.compute_metrics(xs, ys, micro.y_pred, sample_weight=ws)
+            loss = tf.cast(micro.loss, tf.float32)
+            # This slice's share of the batch's loss: loss * weight summed
+            # over slices, divided by the batch's denominator, is the batch's
+            # loss (for a "sum" reduction the denominator is 1 per batch).
+            share = (
+                tf.cast(opens_step, tf.float32)
+                if self._sums_losses()
+                else tf.cast(micro.count, tf.float32)
+            )
+            # reduce_sum: scalars of a known shape (loop variables must keep
+            # theirs), also from a traced but never run empty remainder.
+            return (
+                tf.reduce_sum(loss * tf.cast(micro.weight, tf.float32)),
+                tf.reduce_sum(share),
+            )
+
+        def body(i, loss_sum, denominator):
+            loss, share = run_slice(i * size, size)
+            return i + 1, loss_sum + loss, denominator + share
+
+        zero = tf.constant(0.0)
+        _, loss_sum, denominator = tf.while_loop(
+            lambda i, *_: i < full,
+            body,
+            (tf.constant(0, batch.dtype), zero, zero),
+            parallel_iterations=1,
+        )
+
+        def remainder():
+            # Sizes from the batch's shape inside the branch (not captured
+            # tensors), so that XLA sees them as constants.
+            n = _batch_size(x)
+            start = n // size * size
+            return run_slice(start, n - start)
+
+        static = tf.get_static_value(batch)
+        if static is None:
+            loss, share = tf.cond(batch > full * size, remainder, lambda: (zero, zero))
+        elif static % size:
+            loss, share = remainder()
+        else:
+            loss, share = zero, zero
+        loss_sum, denominator = loss_sum + loss, denominator + share
+        self._loss_tracker.update_state(
+            tf.math.divide_no_nan(loss_sum, denominator), sample_weight=batch
+        )
+        on_apply, on_skip = scale_hooks(self.optimizer)
+        variables = self.trainable_weights
+        accumulator.end_micro_step(
+            variables,
+            present[0],
+            apply_fn=self._apply_fn(variables),
             on_apply=on_apply,
             on_skip=on_skip,
         )
-        logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return {**logs, **self._cycle_logs()}
+        return {**self.get_metrics_result(), **self._cycle_logs()}
 
     def _plain_keras_step(self) -> bool:
         accumulator = self._accumulator
@@ -268,6 +413,7 @@ class GradientAccumulateModel(keras.Model):
             and not accumulator.use_agc
             and accumulator.skip_update_fn is None
             and not self._scheduled
+            and self._micro_batch_size is None
         )
 
     def _cycle_logs(self) -> dict:
@@ -292,10 +438,18 @@ class GradientAccumulateModel(keras.Model):
             if isinstance(layer, AccumBatchNormalization):
                 layer.follow_model(self._accumulator, link=follow)
 
-    def _micro_batch_weight(self, x, y_pred, sample_weight):
+    def _sums_losses(self) -> bool:
+        """Whether the loss is one term with a "sum" reduction."""
+        terms = getattr(self._compile_loss, "_flat_losses", None) or []
+        return len(terms) == 1 and getattr(terms[0].loss, "reduction", None) == "sum"
+
+    def _micro_batch_weight(self, x, y_pred, sample_weight, opens_step=None):
         """This micro-batch's share of the big batch's loss denominator.
 
-        Returns ``(weight, count)`` for :meth:`Accumulator.step`.
+        Returns ``(weight, count)`` for :meth:`Accumulator.step`. A
+        micro-batch opens its cycle if the cycle is still empty and, for an
+        in-step slice, if it is its step's first (``opens_step``, a bool
+        tensor): later slices of the step do not advance the counter.
         """
         batch = tf.cast(_batch_size(x), tf.float32)
         terms = getattr(self._compile_loss, "_flat_losses", None) or []
@@ -315,6 +469,8 @@ class GradientAccumulateModel(keras.Model):
             # The big batch's loss is the plain sum of the micro-batches': the
             # divisor is 1 for the cycle, however many micro-batches it holds.
             first = tf.equal(self._accumulator.clock.micro_step, 0)
+            if opens_step is not None:
+                first = tf.logical_and(first, opens_step)
             return tf.constant(1.0), tf.cast(first, tf.float32)
         if reduction == "mean_with_sample_weight" and sample_weight is not None:
             weights = apply_mask(
@@ -388,6 +544,32 @@ def _init_functional(model, init, args, kwargs) -> None:
         GLOBAL_CUSTOM_NAMES[variant] = keras.saving.get_registered_name(cls)
         _functional_variants[cls] = variant
     model.__class__ = _functional_variants[cls]
+
+
+class _Micro(NamedTuple):
+    """What one micro-batch's forward and backward pass produced."""
+
+    grads: list
+    variables: list
+    y_pred: object
+    loss: tf.Tensor
+    weight: tf.Tensor  # folded into the differentiated loss
+    count: tf.Tensor  # its share of the denominator
+    samples: tf.Tensor
+    grad_weight: tf.Tensor | None  # 1 / loss scale, or None
+
+
+def _slice(tensor, start, length):
+    """Rows ``start:start + length`` of ``tensor`` (None stays None)."""
+    if tensor is None:
+        return None
+    if isinstance(length, int):
+        # The loop's full slices: a gather has the static size ``length``
+        # even where XLA compiles the loop body for a batch shorter than
+        # that (the body then never runs, but a slice would not compile).
+        return tf.gather(tensor, start + tf.range(length, dtype=start.dtype))
+    rank = tensor.shape.rank
+    return tf.slice(tensor, [start] + [0] * (rank - 1), [length] + [-1] * (rank - 1))
 
 
 def _batch_size(x):

@@ -61,3 +61,25 @@ def warn_unneeded(name: str, value, default, why: str) -> None:
             DeprecationWarning,
             stacklevel=3,
         )
+
+
+def check_micro_batch_size(micro_batch_size) -> int | None:
+    """Returns ``micro_batch_size`` as ``None`` or an ``int >= 1``, or raises."""
+    if micro_batch_size is None:
+        return None
+    if isinstance(micro_batch_size, bool) or not isinstance(
+        micro_batch_size, numbers.Integral
+    ):
+        raise TypeError(
+            "`micro_batch_size` must be None (no in-step micro-batching) or an "
+            "integer >= 1 (samples per slice of each batch). Received: "
+            f"micro_batch_size={micro_batch_size!r} of type "
+            f"{type(micro_batch_size).__name__}."
+        )
+    if micro_batch_size < 1:
+        raise ValueError(
+            "`micro_batch_size` must be None (no in-step micro-batching) or an "
+            "integer >= 1 (samples per slice of each batch). Received: "
+            f"micro_batch_size={micro_batch_size!r}."
+        )
+    return int(micro_batch_size)
