@@ -593,3 +593,7 @@ def test_batch_norm_example_quick_matches_big_batch_statistics():
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-5, describe(result)
     assert "| keras-bn |" in result.stdout, describe(result)
+    swap = re.search(r"max \|prediction after swap - before\| = (\S+)", result.stdout)
+    assert swap, describe(result)
+    assert float(swap.group(1)) <= 1e-5, describe(result)
+    assert "swapped layers: AccumBatchNormalization," in result.stdout
