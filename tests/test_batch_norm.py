@@ -27,7 +27,7 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     replace_batchnorm_layers,
 )
-from tests.test_examples import describe, run_script
+from tests.processes import describe, run_script
 from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
 
 REPO = Path(__file__).resolve().parents[1]

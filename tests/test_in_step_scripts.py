@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from tests.test_examples import describe, run_script
+from tests.processes import describe, run_script
 
 WEIGHT_DIFF = re.compile(r"max \|w_instep - w_bigbatch\| = (\S+)")
 MEMORY_HEADER = (

@@ -36,7 +36,7 @@ import pytest
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests import utils
-from tests.test_examples import describe, run_script
+from tests.processes import describe, run_script
 
 B = 8  # micro-batch size
 K = 4  # accumulation steps
