@@ -34,3 +34,23 @@ def test_overhead_benchmark_quick_prints_table():
     assert "target: ours <= 1.03 x plain and <= keras-builtin" in lines, describe(
         result
     )
+
+
+def test_schedule_example_quick_matches_big_batch():
+    result = run_script("examples/schedule.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    match = WEIGHT_DIFF.search(result.stdout)
+    assert match and float(match.group(1)) <= 1e-4, describe(result)
+    assert "accum_steps now 4" in result.stdout, describe(result)
+
+
+def test_masked_sequence_example_quick_is_token_exact():
+    result = run_script("examples/masked_sequence.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    match = WEIGHT_DIFF.search(result.stdout)
+    assert match and float(match.group(1)) <= 1e-4, describe(result)
+    naive = re.search(r"\| keras-builtin [^|]*\| (\S+) \|", result.stdout)
+    # The naive average is visibly off: the example shows a real difference.
+    assert naive and float(naive.group(1)) > 100 * float(match.group(1)), describe(
+        result
+    )
