@@ -12,8 +12,16 @@ TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 
 
 def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root, on the CPU, bounded in time."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "-1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+    """``python *args`` from the repository root, on the CPU, bounded in time
+    (``subprocess.run`` kills the child when the timeout expires). The child
+    imports this checkout's package and ``tests``."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {
+        **os.environ,
+        "CUDA_VISIBLE_DEVICES": "-1",
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "PYTHONPATH": path,
+    }
     return subprocess.run(
         [sys.executable, *args],
         cwd=REPO,

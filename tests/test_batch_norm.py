@@ -10,11 +10,7 @@ test also checks that it would be.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -27,10 +23,9 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     replace_batchnorm_layers,
 )
-from tests.processes import describe, run_script
+from tests.processes import REPO, describe, run_script
 from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
 
-REPO = Path(__file__).resolve().parents[1]
 STAT_TOL = 1e-5
 MOMENTUM = 0.5  # small, so that the last cycles dominate and errors show
 
@@ -552,27 +547,9 @@ def test_replaced_model_trains_in_gradient_accumulate_model():
 
 
 def test_mirrored_strategy_pools_every_replica():
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "-1",
-        "TF_CPP_MIN_LOG_LEVEL": "2",
-        "PYTHONPATH": str(REPO),
-    }
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "bn_mirrored_child.py")],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-    assert process.returncode == 0, stderr[-4000:]
+    process = run_script(str(REPO / "tests" / "bn_mirrored_child.py"), timeout=240)
+    assert process.returncode == 0, describe(process)
+    stdout = process.stdout
     result = json.loads(stdout.strip().splitlines()[-1])
     assert result["replicas"] == 2
     for name in ("model", "model_synchronized", "optimizer"):

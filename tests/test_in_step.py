@@ -10,10 +10,7 @@ and compares the weights; one fit step must be one update.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import keras
 import numpy as np
@@ -23,8 +20,8 @@ from tensorflow.python.framework import config as tf_config
 
 from gradient_accumulator import GradientAccumulateModel
 from tests import utils
+from tests.processes import describe, run_script
 
-REPO = Path(__file__).resolve().parents[1]
 M = 8  # micro_batch_size
 EPOCHS = 2
 VOCAB = 12
@@ -485,22 +482,9 @@ def test_mirrored_strategy_matches_single_device_big_batch():
     (16 = 8+8, and 14 = 8+6); the engine's one all-reduce per update makes
     it the single-device big batch, with the big batch's logged loss and
     accuracy (metrics updated per slice in each replica)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "KERAS_BACKEND": "tensorflow"}
-    child = subprocess.Popen(
-        [sys.executable, "-c", _MIRRORED_CHILD],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        out, err = child.communicate(timeout=240)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
-    assert child.returncode == 0, f"{out}\n{err[-4000:]}"
+    child = run_script("-c", _MIRRORED_CHILD, timeout=240)
+    assert child.returncode == 0, describe(child)
+    out = child.stdout
     results = [
         line.split()[1:] for line in out.splitlines() if line.startswith("RESULT")
     ]
