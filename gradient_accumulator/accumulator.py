@@ -10,6 +10,9 @@ tracks (so checkpoints and ``.keras`` files see them):
 * ``weight_sum = sum_k c_k``: the sum of the micro-batches' shares ``c_k`` of
   the big batch's denominator (usually ``c_k = w_k``);
 * ``micro_step``: how many micro-batches the current cycle holds;
+* ``empty``: True while ``grad_sums`` hold only the last cycle's leftovers (a
+  cycle's first micro-batch overwrites them, which is cheaper than zeroing
+  them at every update and adding to zeros);
 * ``accum_steps``: micro-batches per cycle (a variable, so a schedule can
   change it between cycles and a checkpoint restores it);
 * ``last_grad_norm`` and ``last_batch``: the global norm of the last applied
@@ -65,7 +68,9 @@ def _var_key(variable) -> int:
     return id(variable)
 
 
-def _add(buffer: keras.Variable, grad, weight) -> None:
+def _add(buffer: keras.Variable, grad, weight, first: bool = False) -> None:
+    """Adds ``weight * grad`` to ``buffer``; ``first``: the buffer holds only
+    leftovers of an earlier cycle, so the sum starts here."""
     target = buffer.value
     if isinstance(grad, tf.IndexedSlices):
         # Embedding gradients: scatter the touched rows instead of densifying
@@ -78,10 +83,15 @@ def _add(buffer: keras.Variable, grad, weight) -> None:
             # whole; in replica context the replica's own component is what
             # assign_add would update, so scatter into that.
             target = target._get_on_device_or_primary()
+        if first:
+            target.assign(tf.zeros(target.shape, target.dtype))
         target.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
     else:
         grad = tf.cast(grad, tf.float32)
-        target.assign_add(grad if weight is None else grad * weight)
+        grad = grad if weight is None else grad * weight
+        # Overwriting leftovers instead of zeroing the buffers at every update
+        # and adding to zeros spares two passes over every gradient per cycle.
+        target.assign(grad) if first else target.assign_add(grad)
 
 
 def _nothing() -> None:
@@ -208,6 +218,16 @@ class Accumulator(tf.Module):
         )
         self.weight_sum = self._new_variable("weight_sum", (), "float32", **local)
         self.sample_sum = self._new_variable("sample_sum", (), "float32", **local)
+        # True while grad_sums hold only leftovers of the last cycle: cycles
+        # end without zeroing them (see _add).
+        self.empty = self._new_variable(
+            "empty",
+            (),
+            "bool",
+            initializer=True,
+            synchronization="on_read",
+            aggregation="only_first_replica",
+        )
         self.last_grad_norm = self._new_variable(
             "last_grad_norm", (), "float32", **first
         )
@@ -230,6 +250,7 @@ class Accumulator(tf.Module):
             self.next_accum_steps,
             self.weight_sum,
             self.sample_sum,
+            self.empty,
             self.last_grad_norm,
             self.last_batch,
             *self.grad_sums,
@@ -299,9 +320,14 @@ class Accumulator(tf.Module):
         buffers = self._buffers_for(variables)
         if weight is not None:
             weight = tf.cast(weight, tf.float32)
-        for grad, buffer in zip(grads, buffers):
-            if grad is not None:
-                _add(buffer, grad, weight)
+
+        def add_all(first):
+            for grad, buffer in zip(grads, buffers):
+                if grad is not None:
+                    _add(buffer, grad, weight, first)
+
+        tf.cond(self.empty.value, lambda: add_all(True), lambda: add_all(False))
+        self.empty.value.assign(False)
         if count is None:
             count = 1.0 if weight is None else weight
         self.weight_sum.value.assign_add(tf.cast(count, tf.float32))
@@ -459,16 +485,21 @@ class Accumulator(tf.Module):
             on_apply()
 
         def skip():
+            self._each_replica(strategy, _zero, groups)
             on_skip()
 
         tf.cond(ok, apply, skip)
         self._restart(strategy, groups)
 
-    def _restart(self, strategy, groups) -> None:
+    @staticmethod
+    def _each_replica(strategy, fn, groups) -> None:
         if strategy.num_replicas_in_sync > 1:
-            strategy.extended.call_for_each_replica(_reset, args=(groups,))
+            strategy.extended.call_for_each_replica(fn, args=(groups,))
         else:
-            _reset(groups)
+            fn(groups)
+
+    def _restart(self, strategy, groups) -> None:
+        self._each_replica(strategy, _reset, groups)
         self.micro_step.assign(0)
         self.accum_steps_variable.assign(self.next_accum_steps)
 
@@ -521,6 +552,7 @@ class Accumulator(tf.Module):
                     if how == "flush":
                         self._update(strategy, groups, None, on_apply, on_skip)
                     else:
+                        self._each_replica(strategy, _zero, groups)
                         self._restart(strategy, groups)
 
                 tf.cond(self.micro_step > 0, run, _nothing)
@@ -561,17 +593,32 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
     """A group's sums, weight sum and sample count, plus the not yet added
     micro-batch ``last = (grads, weight, count, samples)`` if given."""
     accumulator = group.accumulator
-    sums = [
-        tf.convert_to_tensor(b.value) if p else None
-        for b, p in zip(group.buffers, group.present)
-    ]
+    live = [b if p else None for b, p in zip(group.buffers, group.present)]
     weight_sum = tf.convert_to_tensor(accumulator.weight_sum.value)
     sample_sum = tf.convert_to_tensor(accumulator.sample_sum.value)
     if last is None:
+        sums = [None if b is None else tf.convert_to_tensor(b.value) for b in live]
         return sums, weight_sum, sample_sum
     grads, weight, count, samples = last
     weight = None if weight is None else tf.cast(weight, tf.float32)
-    sums = [s if g is None else _plus(s, g, weight) for s, g in zip(sums, grads)]
+    pairs = [(b, g) for b, g in zip(live, grads) if g is not None]
+
+    def alone():
+        # The cycle is this one micro-batch (accum_steps 1): the buffers hold
+        # only leftovers.
+        return [
+            _plus(tf.zeros(b.shape) if _sparse(g) else None, g, weight)
+            for b, g in pairs
+        ]
+
+    def added():
+        return [
+            _plus(None if b is None else tf.convert_to_tensor(b.value), g, weight)
+            for b, g in pairs
+        ]
+
+    totals = iter(tf.cond(accumulator.empty.value, alone, added) if pairs else [])
+    sums = [None if g is None else next(totals) for g in grads]
     if count is None:
         count = 1.0 if weight is None else weight
     if samples is not None:
@@ -579,14 +626,21 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
     return sums, weight_sum + tf.cast(count, tf.float32), sample_sum
 
 
-def _plus(total: tf.Tensor, grad, weight) -> tf.Tensor:
-    if isinstance(grad, tf.IndexedSlices):
+def _sparse(grad) -> bool:
+    return isinstance(grad, tf.IndexedSlices)
+
+
+def _plus(total: tf.Tensor | None, grad, weight) -> tf.Tensor:
+    """``total + weight * grad`` as a dense tensor (``total=None``: zeros;
+    a sparse ``grad`` needs a ``total``)."""
+    if _sparse(grad):
         values = tf.cast(grad.values, tf.float32)
         values = values if weight is None else values * weight
         indices = tf.expand_dims(grad.indices, -1)
         return tf.tensor_scatter_nd_add(total, indices, values)
     grad = tf.cast(grad, tf.float32)
-    return total + (grad if weight is None else grad * weight)
+    grad = grad if weight is None else grad * weight
+    return grad if total is None else total + grad
 
 
 def _apply_groups(groups: list[_Group], total, sums) -> None:
@@ -603,9 +657,16 @@ def _apply_groups(groups: list[_Group], total, sums) -> None:
 
 
 def _reset(groups: list[_Group]) -> None:
+    # The buffers keep their contents; `empty` makes the next add overwrite.
     for group in groups:
         accumulator = group.accumulator
-        for buffer in accumulator.grad_sums:
-            buffer.value.assign(tf.zeros(buffer.shape, buffer.dtype))
         accumulator.weight_sum.value.assign(0.0)
         accumulator.sample_sum.value.assign(0.0)
+        accumulator.empty.value.assign(True)
+
+
+def _zero(groups: list[_Group]) -> None:
+    # A dropped cycle's sums may hold NaN or Inf: leave nothing of it behind.
+    for group in groups:
+        for buffer in group.accumulator.grad_sums:
+            buffer.value.assign(tf.zeros(buffer.shape, buffer.dtype))
