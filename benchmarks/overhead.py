@@ -40,8 +40,15 @@ Method
     worker threads add some noise of their own. The script reports and never
     asserts; it always exits 0.
 
+    ``--phases`` adds a second table: each variant's micro-steps timed one
+    call at a time by their position in the cycle (the last one applies the
+    update), median over rounds, and the whole cycle's time relative to
+    Keras' built-in. It shows where a difference comes from: the accumulating
+    steps or the update step.
+
 Run
     python benchmarks/overhead.py                      # defaults
+    python benchmarks/overhead.py --phases --models mlp --rounds 40
     python benchmarks/overhead.py --rounds 5 --models mlp
     python benchmarks/overhead.py --quick              # smoke test, seconds
 """
@@ -152,6 +159,7 @@ class Runner:
     iterator: tf.data.Iterator
     wall: list[float] = field(default_factory=list)  # seconds, wall clock
     cpu: list[float] = field(default_factory=list)  # seconds, this process' CPU
+    phases: dict[int, list[float]] = field(default_factory=dict)  # see below
 
     def run(self, steps: int) -> tuple[float, float]:
         """Runs ``steps`` micro-steps; returns (wall, CPU) seconds per step."""
@@ -168,6 +176,15 @@ class Runner:
         self.wall.append(wall)
         self.cpu.append(cpu)
 
+    def record_phases(self, accum_steps: int) -> None:
+        """Times one cycle call by call: ``phases[i]`` holds the wall seconds
+        of the cycle's ``i``-th micro-step, one entry per round."""
+        train = self.model.train_function
+        for phase in range(accum_steps):
+            start = time.perf_counter()
+            float(train(self.iterator)["loss"])
+            self.phases.setdefault(phase, []).append(time.perf_counter() - start)
+
 
 def prepare(model_name: str, variant: str, batch_size: int, accum_steps: int) -> Runner:
     """Builds a variant and traces its train step (fit, then direct calls)."""
@@ -182,7 +199,12 @@ def prepare(model_name: str, variant: str, batch_size: int, accum_steps: int) ->
 
 
 def measure(
-    model_name: str, rounds: int, steps: int, batch_size: int, accum_steps: int
+    model_name: str,
+    rounds: int,
+    steps: int,
+    batch_size: int,
+    accum_steps: int,
+    phases: bool = False,
 ) -> list[Runner]:
     """Interleaved rounds over all variants, order rotated every round."""
     keras.backend.clear_session()
@@ -195,6 +217,8 @@ def measure(
         shift = r % len(runners)
         for runner in runners[shift:] + runners[:shift]:
             runner.record(steps)
+            if phases:
+                runner.record_phases(accum_steps)
     return runners
 
 
@@ -220,6 +244,27 @@ def table_rows(model_name: str, runners: list[Runner]) -> list[str]:
             f"| {statistics.median(rs):.3f} | {min(rs):.3f}-{max(rs):.3f} "
             f"| {1000 * statistics.median(runner.cpu):.2f} "
             f"| {median_ratio(runner, plain, 'cpu'):.3f} |"
+        )
+    return rows
+
+
+def phase_rows(model_name: str, runners: list[Runner]) -> list[str]:
+    """Median ms per position in the cycle, and the cycle vs keras-builtin."""
+    cycle = {
+        r.variant: [sum(times) for times in zip(*r.phases.values())] for r in runners
+    }
+    keras_cycle = cycle["keras-builtin"]
+    rows = []
+    for runner in runners:
+        medians = [1000 * statistics.median(runner.phases[i]) for i in runner.phases]
+        ratio = statistics.median(
+            a / b for a, b in zip(cycle[runner.variant], keras_cycle)
+        )
+        rows.append(
+            f"| {model_name} | {runner.variant} | "
+            + " | ".join(f"{m:.2f}" for m in medians)
+            + f" | {1000 * statistics.median(cycle[runner.variant]):.2f}"
+            f" | {ratio:.3f} |"
         )
     return rows
 
@@ -256,6 +301,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="2 rounds of K steps: a smoke test"
     )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="also time each position in the cycle, one call at a time",
+    )
     args = parser.parse_args(argv)
     k = args.accum_steps
     if k < 2 or args.batch_size < 1:
@@ -287,12 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: list[str] = []
     lines: list[str] = []
+    phases: list[str] = []
     for model_name in args.models:
         runners = measure(
-            model_name, args.rounds, args.steps, args.batch_size, args.accum_steps
+            model_name,
+            args.rounds,
+            args.steps,
+            args.batch_size,
+            args.accum_steps,
+            args.phases,
         )
         rows += table_rows(model_name, runners)
         lines += verdicts(model_name, runners)
+        if args.phases:
+            phases += phase_rows(model_name, runners)
     print()
     print(
         "| model | variant | ms/micro-step | ratio vs plain | "
@@ -308,6 +366,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("target: ours <= 1.03 x plain and <= keras-builtin")
     print("\n".join(lines))
+    if phases:
+        k = args.accum_steps
+        print()
+        print(
+            "| model | variant | "
+            + " | ".join(f"micro-step {i + 1} ms" for i in range(k))
+            + " | cycle ms | cycle ratio vs keras-builtin |"
+        )
+        print("|---|---|" + "---|" * (k + 2))
+        print("\n".join(phases))
+        print()
+        print(
+            f"Each call timed alone, median over rounds; micro-step {k} applies "
+            "the update."
+        )
     return 0
 
 

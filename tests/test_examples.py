@@ -24,13 +24,19 @@ def test_digits_demo_quick_matches_big_batch():
 
 
 def test_overhead_benchmark_quick_prints_table():
-    result = run_script("benchmarks/overhead.py", "--quick", "--models", "mlp")
+    result = run_script(
+        "benchmarks/overhead.py", "--quick", "--models", "mlp", "--phases"
+    )
     assert result.returncode == 0, describe(result)
     lines = result.stdout.splitlines()
     assert any(line.startswith(TABLE_HEADER) for line in lines), describe(result)
+    number = r"[0-9]+\.[0-9]+"
     for variant in ("plain", "ours-model", "ours-optimizer", "keras-builtin"):
-        row = re.compile(rf"^\| mlp \| {variant} \| [0-9.]+ \| ([0-9.]+) \|")
+        row = re.compile(rf"^\| mlp \| {variant} \| {number} \| ({number}) \|")
         assert any(row.match(line) for line in lines), describe(result)
+        # --phases: four micro-steps (accum_steps 4), the cycle, its ratio.
+        phases = re.compile(rf"^\| mlp \| {variant}( \| {number}){{6}} \|$")
+        assert any(phases.match(line) for line in lines), describe(result)
     assert "target: ours <= 1.03 x plain and <= keras-builtin" in lines, describe(
         result
     )
