@@ -43,6 +43,13 @@ def mwms(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def mwms_bn(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mwms_bn")
+    dist_utils.run_mwms(out, list(dist_worker.MWMS_BN_CASES), TIMEOUT)
+    return out
+
+
 def _check_equivalent(out, case):
     weights, facts = dist_utils.load(out, case)
     utils.assert_trained(weights["init"], weights["ref"])
@@ -151,6 +158,23 @@ def test_mwms_one_all_reduce_per_update(mwms):
             "other": 0,
             "conditionals": 1,
         }, (case, facts)
+
+
+def test_mwms_batch_norm_statistics_ride_in_the_same_all_reduce(mwms_bn):
+    """AccumBatchNormalization in the model under MWMS: its moving statistics
+    pool every micro-batch of both workers (equal to Keras' BatchNormalization
+    on the big batch), and its sums travel in the gradients' all-reduce, so
+    there is still exactly one per update."""
+    _, facts = dist_utils.load(mwms_bn, "model_bn")
+    print(f"model_bn: max |moving stats - big batch| = {facts['moving_stats_diff']}")
+    assert facts["moving_stats_diff"] <= 1e-5, facts
+    assert facts["iterations"] == facts["ref_iterations"] == 4, facts
+    assert facts["collectives"] == {
+        "update": 1,
+        "accumulate": 0,
+        "other": 0,
+        "conditionals": 1,
+    }, facts
 
 
 def test_split_collectives_counts_per_branch():
