@@ -325,6 +325,13 @@ class Accumulator(tf.Module):
             for grad, buffer in zip(grads, buffers):
                 if grad is not None:
                     _add(buffer, grad, weight, first)
+            if first:
+                # A variable without a gradient now may get one later in the
+                # cycle: its sum must start from zero, not from leftovers.
+                added = {id(b) for b, g in zip(buffers, grads) if g is not None}
+                for buffer in self.grad_sums:
+                    if id(buffer) not in added:
+                        buffer.value.assign(tf.zeros(buffer.shape, buffer.dtype))
 
         tf.cond(self.empty.value, lambda: add_all(True), lambda: add_all(False))
         self.empty.value.assign(False)

@@ -366,6 +366,37 @@ def test_inner_state_changes_only_on_update_call(mode):
     utils.assert_same_weights(utils.weights(model), utils.weights(reference), 1e-6)
 
 
+@pytest.mark.parametrize("mode", ["eager", "tf_function"])
+def test_variable_first_without_gradient_starts_its_cycle_from_zero(mode):
+    """A variable with no gradient in a cycle's first call but gradients later
+    (a custom loop with a data-dependent branch) adds from zero, not from what
+    the previous cycle left in its buffer."""
+    model = utils.seeded(_tiny)
+    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=K)
+    reference = utils.seeded(_tiny)
+    sgd = keras.optimizers.SGD(0.1)
+    first, second = _gradients(model, K), _gradients(model, K, seed=1)
+    second[0][1] = None  # no bias gradient in the second cycle's first call
+    if mode == "eager":
+        calls = [lambda g: opt.apply(g, model.trainable_variables)] * 2
+    else:
+        # One traced function per set of gradients present, as in a custom loop.
+        calls = [
+            tf.function(lambda g: opt.apply(g, model.trainable_variables))
+            for _ in range(2)
+        ]
+    for cycle in (first, second):
+        for g in cycle:
+            calls[g[1] is None](g)
+        mean = [
+            tf.add_n([g[i] for g in cycle if g[i] is not None]) / float(K)
+            for i in range(2)
+        ]
+        sgd.apply(mean, reference.trainable_variables)
+    assert int(opt.iterations) == 2
+    utils.assert_same_weights(utils.weights(model), utils.weights(reference), 1e-6)
+
+
 def test_sum_reduction_applies_sum_of_gradients():
     """reduction="SUM" applies the sum of the K gradients (vs SGD on the sum)."""
     model = utils.seeded(_tiny)
