@@ -44,10 +44,20 @@ def mwms(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mwms_bn(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mwms_bn")
-    dist_utils.run_mwms(out, list(dist_worker.MWMS_BN_CASES), TIMEOUT)
-    return out
+def mwms_probe(tmp_path_factory):
+    """``probe(case)``: the output of a pair of workers that ran only ``case``
+    (one of ``dist_worker.MWMS_PROBE_CASES``), run once per module."""
+    outputs = {}
+
+    def probe(case: str):
+        assert case in dist_worker.MWMS_PROBE_CASES, case
+        if case not in outputs:
+            out = tmp_path_factory.mktemp(f"mwms_{case}")
+            dist_utils.run_mwms(out, [case], TIMEOUT)
+            outputs[case] = out
+        return outputs[case]
+
+    return probe
 
 
 def _check_equivalent(out, case):
@@ -160,12 +170,12 @@ def test_mwms_one_all_reduce_per_update(mwms):
         }, (case, facts)
 
 
-def test_mwms_batch_norm_statistics_ride_in_the_same_all_reduce(mwms_bn):
+def test_mwms_batch_norm_statistics_ride_in_the_same_all_reduce(mwms):
     """AccumBatchNormalization in the model under MWMS: its moving statistics
     pool every micro-batch of both workers (equal to Keras' BatchNormalization
     on the big batch), and its sums travel in the gradients' all-reduce, so
     there is still exactly one per update."""
-    _, facts = dist_utils.load(mwms_bn, "model_bn")
+    _, facts = dist_utils.load(mwms, "model_bn")
     print(f"model_bn: max |moving stats - big batch| = {facts['moving_stats_diff']}")
     assert facts["moving_stats_diff"] <= 1e-5, facts
     assert facts["iterations"] == facts["ref_iterations"] == 4, facts
@@ -208,10 +218,10 @@ def test_split_collectives_counts_per_branch():
     assert counts == {"update": 2, "accumulate": 0, "other": 1, "conditionals": 1}
 
 
-def test_mwms_jit_compile_unsupported_on_cpu_for_plain_keras_too(mwms):
+def test_mwms_jit_compile_unsupported_on_cpu_for_plain_keras_too(mwms_probe):
     """XLA has no CPU implementation of collectives: a jit-compiled step under
     MWMS fails on CPU for plain Keras, and ours fails the same way."""
-    _, facts = dist_utils.load(mwms, "model_jit")
+    _, facts = dist_utils.load(mwms_probe("model_jit"), "model_jit")
     assert facts["plain_jit_error"] is not None, facts
     assert "Collectives are not yet implemented for CPU" in facts["plain_jit_error"]
     assert "Collectives are not yet implemented for CPU" in facts["jit_error"]
@@ -272,13 +282,13 @@ def test_distributed_benchmark_quick_prints_counted_table():
     assert rows == {"ours": 1, "naive": 8}, _describe(result)
 
 
-def test_mwms_plain_model_fit_fails_in_keras_for_plain_models_too(mwms):
+def test_mwms_plain_model_fit_fails_in_keras_for_plain_models_too(mwms_probe):
     """Under MWMS, Keras 3's own ``model.fit`` fails for a plain keras.Model
     (it reduces the whole (x, y) batch with strategy.reduce, which MWMS
     rejects), and ours fails the same way, so the MWMS tests run
     ``train_step`` through ``strategy.run`` instead (docs/distributed.md).
     If a Keras release fixes fit, ours must then match the big batch."""
-    weights, facts = dist_utils.load(mwms, "model_fit")
+    weights, facts = dist_utils.load(mwms_probe("model_fit"), "model_fit")
     if facts["plain_fit_error"] is None:
         assert "fit_error" not in facts, facts
         utils.assert_same_weights(weights["ours"], weights["ref"])
