@@ -40,6 +40,12 @@ Method
     worker threads add some noise of their own. The script reports and never
     asserts; it always exits 0.
 
+    ``--probe-unchecked`` adds ``ours-model-unchecked``: the model wrapper
+    with the engine's finite check (its sum of squares, which gates the
+    update) replaced by a constant while its step is traced. It is a
+    measurement of what the check costs, not an option of the package: that
+    variant writes a NaN gradient into the weights, as Keras' built-in does.
+
     ``--phases`` adds a second table: each variant's micro-steps timed one
     call at a time by their position in the cycle (the last one applies the
     update), median over rounds, and the whole cycle's time relative to
@@ -50,12 +56,14 @@ Run
     python benchmarks/overhead.py                      # defaults
     python benchmarks/overhead.py --phases --models mlp --rounds 40
     python benchmarks/overhead.py --rounds 5 --models mlp
+    python benchmarks/overhead.py --phases --probe-unchecked --models mlp
     python benchmarks/overhead.py --quick              # smoke test, seconds
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -79,8 +87,10 @@ from gradient_accumulator import (
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )
+from gradient_accumulator import accumulator as engine
 
 VARIANTS = ("plain", "ours-model", "ours-optimizer", "keras-builtin")
+PROBE = "ours-model-unchecked"  # --probe-unchecked
 MODELS = ("mlp", "cnn")
 CLASSES = 10
 DISTINCT_BATCHES = 8  # synthetic batches cycled by the repeated dataset
@@ -114,7 +124,7 @@ def build_variant(model_name: str, variant: str, accum_steps: int) -> keras.Mode
     """A compiled model of ``model_name`` trained the ``variant`` way."""
     keras.utils.set_random_seed(0)  # same initial weights for every variant
     inputs, outputs = LAYERS[model_name]()
-    if variant == "ours-model":
+    if variant in ("ours-model", PROBE):
         model = GradientAccumulateModel(
             accum_steps=accum_steps, inputs=inputs, outputs=outputs
         )
@@ -186,15 +196,33 @@ class Runner:
             self.phases.setdefault(phase, []).append(time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def finite_check_removed():
+    """While a step is traced, the engine's sum of squares is a constant 0, so
+    its update is gated by a constant predicate (the probe variant only)."""
+    original = engine.squared_norm
+    engine.squared_norm = lambda tensors: tf.constant(0.0)
+    try:
+        yield
+    finally:
+        engine.squared_norm = original
+
+
 def prepare(model_name: str, variant: str, batch_size: int, accum_steps: int) -> Runner:
-    """Builds a variant and traces its train step (fit, then direct calls)."""
-    model = build_variant(model_name, variant, accum_steps)
-    dataset = synthetic_dataset(model_name, batch_size)
-    model.fit(
-        dataset, epochs=1, steps_per_epoch=2 * accum_steps, shuffle=False, verbose=0
-    )
-    runner = Runner(variant, model, iter(dataset))
-    runner.run(2 * accum_steps)  # the direct-call path may trace once more
+    """Builds a variant and traces its train step (fit, then direct calls).
+
+    All tracing happens here: the probe's patch is gone before any other
+    variant traces or any timing starts.
+    """
+    probe = finite_check_removed() if variant == PROBE else contextlib.nullcontext()
+    with probe:
+        model = build_variant(model_name, variant, accum_steps)
+        dataset = synthetic_dataset(model_name, batch_size)
+        model.fit(
+            dataset, epochs=1, steps_per_epoch=2 * accum_steps, shuffle=False, verbose=0
+        )
+        runner = Runner(variant, model, iter(dataset))
+        runner.run(2 * accum_steps)  # the direct-call path may trace once more
     return runner
 
 
@@ -205,10 +233,11 @@ def measure(
     batch_size: int,
     accum_steps: int,
     phases: bool = False,
+    variants: tuple[str, ...] = VARIANTS,
 ) -> list[Runner]:
     """Interleaved rounds over all variants, order rotated every round."""
     keras.backend.clear_session()
-    runners = [prepare(model_name, v, batch_size, accum_steps) for v in VARIANTS]
+    runners = [prepare(model_name, v, batch_size, accum_steps) for v in variants]
     # The first call of each variant after the others were built is slow
     # (2-3x, for all but the last one built): one unrecorded round absorbs it.
     for runner in runners:
@@ -306,6 +335,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also time each position in the cycle, one call at a time",
     )
+    parser.add_argument(
+        "--probe-unchecked",
+        action="store_true",
+        help=f"add {PROBE!r}: the model wrapper without its finite check (a probe)",
+    )
     args = parser.parse_args(argv)
     k = args.accum_steps
     if k < 2 or args.batch_size < 1:
@@ -346,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             args.batch_size,
             args.accum_steps,
             args.phases,
+            VARIANTS + ((PROBE,) if args.probe_unchecked else ()),
         )
         rows += table_rows(model_name, runners)
         lines += verdicts(model_name, runners)

@@ -25,13 +25,19 @@ def test_digits_demo_quick_matches_big_batch():
 
 def test_overhead_benchmark_quick_prints_table():
     result = run_script(
-        "benchmarks/overhead.py", "--quick", "--models", "mlp", "--phases"
+        "benchmarks/overhead.py",
+        "--quick",
+        "--models",
+        "mlp",
+        "--phases",
+        "--probe-unchecked",
     )
     assert result.returncode == 0, describe(result)
     lines = result.stdout.splitlines()
     assert any(line.startswith(TABLE_HEADER) for line in lines), describe(result)
     number = r"[0-9]+\.[0-9]+"
-    for variant in ("plain", "ours-model", "ours-optimizer", "keras-builtin"):
+    variants = ("plain", "ours-model", "ours-optimizer", "keras-builtin")
+    for variant in (*variants, "ours-model-unchecked"):
         row = re.compile(rf"^\| mlp \| {variant} \| {number} \| ({number}) \|")
         assert any(row.match(line) for line in lines), describe(result)
         # --phases: four micro-steps (accum_steps 4), the cycle, its ratio.
