@@ -283,15 +283,11 @@ class _InterruptAt(keras.callbacks.Callback):
             raise _Interrupt(f"interrupted at epoch {self.epoch}, batch {batch}")
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_backup_and_restore_resumes_partial_cycle(kind, tmp_path):
-    """BackupAndRestore (Keras 3.15 backs up at epoch ends by default): after an
-    interruption in epoch 3, a fresh model resumes from the end of epoch 2,
-    where a cycle is half done, and reaches the uninterrupted weights."""
-    x, y = _data()
-    backup_dir = str(tmp_path / "backup")
-
-    model = utils.seeded(lambda: _build(kind))
+def _interrupt_and_resume(build, x, y, backup_dir: str):
+    """Trains ``build()`` under BackupAndRestore until an interruption in
+    epoch 3, then resumes a fresh ``build()`` (other initial weights) from the
+    backup. Returns the interrupted model, the resumed one and its history."""
+    model = utils.seeded(build)
     with pytest.raises(_Interrupt):
         _fit(
             model,
@@ -303,18 +299,25 @@ def test_backup_and_restore_resumes_partial_cycle(kind, tmp_path):
                 _InterruptAt(epoch=2, batch=1),
             ],
         )
+    resumed = utils.seeded(build, seed=123)
+    history = _fit(
+        resumed, x, y, EPOCHS, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)]
+    )
+    return model, resumed, history
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_backup_and_restore_resumes_partial_cycle(kind, tmp_path):
+    """BackupAndRestore (Keras 3.15 backs up at epoch ends by default): after an
+    interruption in epoch 3, a fresh model resumes from the end of epoch 2,
+    where a cycle is half done, and reaches the uninterrupted weights."""
+    x, y = _data()
+    model, resumed, history = _interrupt_and_resume(
+        lambda: _build(kind), x, y, str(tmp_path / "backup")
+    )
     # The interrupted run went past the backup (epoch 2, batches 0-1 ran).
     assert int(_accumulator(model).micro_step) == 0
     assert int(model.optimizer.iterations) == 2
-
-    resumed = utils.seeded(lambda: _build(kind), seed=123)
-    history = _fit(
-        resumed,
-        x,
-        y,
-        EPOCHS,
-        callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
-    )
     assert len(history.history["loss"]) == EPOCHS - 2  # resumed at epoch 2
     _assert_resumed_correctly(
         resumed, _uninterrupted(kind, x, y), _big_batch_reference(x, y, EPOCHS)
@@ -449,23 +452,8 @@ def test_subclassed_model_wrapper_backup_and_restore_resumes(tmp_path):
     resumes from the end-of-epoch backup (a partial cycle pending) and reaches
     the uninterrupted weights."""
     x, y = _data()
-    backup_dir = str(tmp_path / "backup")
-    model = utils.seeded(lambda: _build_subclassed(x))
-    with pytest.raises(_Interrupt):
-        _fit(
-            model,
-            x,
-            y,
-            EPOCHS,
-            callbacks=[
-                keras.callbacks.BackupAndRestore(backup_dir),
-                _InterruptAt(epoch=2, batch=1),
-            ],
-        )
-
-    resumed = utils.seeded(lambda: _build_subclassed(x), seed=123)
-    _fit(
-        resumed, x, y, EPOCHS, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)]
+    _, resumed, _ = _interrupt_and_resume(
+        lambda: _build_subclassed(x), x, y, str(tmp_path / "backup")
     )
     _assert_resumed_correctly(
         resumed, _subclassed_uninterrupted(x, y), _big_batch_reference(x, y, EPOCHS)
