@@ -2,14 +2,20 @@
 
 Each script runs in a child process exactly as a user would start it, in its
 ``--quick`` mode. The benchmark is only checked for its output's shape: its
-timings depend on the machine and are never asserted.
+timings depend on the machine and are never asserted. Its probe variant (the
+model wrapper without the finite check) is checked to be what it claims.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import re
+import sys
 
-from tests.processes import describe, run_script
+import numpy as np
+
+from tests.processes import REPO, describe, run_script
 
 WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
 TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
@@ -46,6 +52,29 @@ def test_overhead_benchmark_quick_prints_table():
     assert "target: ours <= 1.03 x plain and <= keras-builtin" in lines, describe(
         result
     )
+
+
+def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
+    """The benchmark's probe times what it says: the model wrapper without its
+    finite check. A NaN in the first micro-batch reaches the probe's weights
+    and not the shipped wrapper's."""
+    spec = importlib.util.spec_from_file_location(
+        "benchmarks_overhead", REPO / "benchmarks" / "overhead.py"
+    )
+    overhead = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = overhead  # its dataclasses look their module up
+    spec.loader.exec_module(overhead)
+    x = np.random.default_rng(0).normal(size=(8, 784)).astype("float32")
+    x[0, 0] = np.nan
+    y = np.zeros(8, "int32")
+    finite = {}
+    for variant in ("ours-model", overhead.PROBE):
+        probe = variant == overhead.PROBE
+        with overhead.finite_check_removed() if probe else contextlib.nullcontext():
+            model = overhead.build_variant("mlp", variant, accum_steps=2)
+            model.fit(x, y, batch_size=4, verbose=0, shuffle=False)
+        finite[variant] = all(np.isfinite(w).all() for w in model.get_weights())
+    assert finite == {"ours-model": True, overhead.PROBE: False}
 
 
 def test_schedule_example_quick_matches_big_batch():
