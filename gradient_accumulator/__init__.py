@@ -4,11 +4,9 @@ from gradient_accumulator import _backend  # noqa: F401  (fails on other backend
 from gradient_accumulator._version import __version__
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
-from gradient_accumulator.batch_norm import (
-    AccumBatchNormalization,
-    replace_batchnorm_layers,
-)
+from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.callbacks import AccumulationScheduler, FlushPartialCycle
+from gradient_accumulator.convert import replace_batchnorm_layers
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.verify import LayerCheck, VariableCheck, VerifyReport, verify

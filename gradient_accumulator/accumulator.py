@@ -40,6 +40,11 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator import _backend  # noqa: F401  (backend check)
+from gradient_accumulator._keras_compat import (
+    KerasSaveable,
+    distributed_container,
+    on_device_or_primary,
+)
 from gradient_accumulator.agc import adaptive_clip_grad
 from gradient_accumulator.validation import check_accum_steps, check_positive_float
 
@@ -63,9 +68,7 @@ def squared_norm(tensors: Sequence[tf.Tensor | None]) -> tf.Tensor:
 def _var_key(variable) -> int:
     if isinstance(variable, keras.Variable):
         variable = variable.value
-    if hasattr(variable, "_distributed_container"):
-        variable = variable._distributed_container()
-    return id(variable)
+    return id(distributed_container(variable))
 
 
 def _add(buffer: keras.Variable, grad, weight, first: bool = False) -> None:
@@ -82,7 +85,7 @@ def _add(buffer: keras.Variable, grad, weight, first: bool = False) -> None:
             # A replica-local (SyncOnRead) buffer refuses scatter ops as a
             # whole; in replica context the replica's own component is what
             # assign_add would update, so scatter into that.
-            target = target._get_on_device_or_primary()
+            target = on_device_or_primary(target)
         if first:
             target.assign(tf.zeros(target.shape, target.dtype))
         target.scatter_add(tf.IndexedSlices(values, grad.indices, grad.dense_shape))
@@ -98,6 +101,23 @@ def _nothing() -> None:
     return None
 
 
+def _name_of(variable) -> str:
+    # Raw tf.Variables have no Keras path.
+    name = getattr(variable, "path", None) or variable.name.split(":")[0]
+    return name.replace("/", "_")
+
+
+def _dense(tensors) -> list[tf.Tensor]:
+    """The tensors among ``tensors`` (IndexedSlices as their values)."""
+    found = []
+    for t in tensors:
+        if isinstance(t, tf.IndexedSlices):
+            found.append(t.values)
+        elif isinstance(t, tf.Tensor | tf.Variable):
+            found.append(t)
+    return found
+
+
 def _call(fn, *args) -> None:
     # tf.cond needs both branches to return the same (here: nothing).
     fn(*args)
@@ -106,16 +126,40 @@ def _call(fn, *args) -> None:
 class _Wiring:
     """Python-side links of an accumulator, kept out of checkpoints (a
     ``tf.Module`` would track them as state): its leader and followers, the
-    group a follower recorded for its leader, the structure of the last
-    traced cycle end (so that flush() can end a cycle outside the train
-    step), and the compiled flush functions."""
+    group a follower recorded for its leader while a step is traced, which
+    variables had gradients in the last traced step, the host's binding (how
+    to end a cycle outside the train step) and the compiled flush functions.
+
+    Nothing here is state: it is rebuilt from the host at every trace, and
+    :meth:`Accumulator.unwire` drops the traced parts when the host is
+    compiled again.
+    """
 
     def __init__(self):
         self.leader: Accumulator | None = None
         self.followers: list[Accumulator] = []
         self.pending: _Group | None = None
-        self.last_end: tuple | None = None
+        self.keys: tuple = ()
+        self.present: dict[int, bool] = {}
+        self.binding: Binding | None = None
         self.flush_fns: dict = {}
+
+
+@dataclass
+class Binding:
+    """How a host ends a cycle outside its train step (flush, drop).
+
+    ``variables()``: the variables the state is built for (current trainable
+    variables); ``apply_fn()``: the :data:`ApplyFn` to use now (read at call
+    time, so a recompiled host's new optimizer is used); ``hooks()``:
+    ``(on_apply, on_skip)`` for the engine; ``strategy()``: the host's
+    ``tf.distribute`` strategy.
+    """
+
+    variables: Callable[[], list]
+    apply_fn: Callable[[], ApplyFn]
+    hooks: Callable[[], tuple] = lambda: (None, None)
+    strategy: Callable[[], tf.distribute.Strategy] = tf.distribute.get_strategy
 
 
 @dataclass
@@ -133,16 +177,23 @@ class _Group:
         return [b for b, p in zip(self.buffers, self.present) if p]
 
 
-class Accumulator(tf.Module):
+class Accumulator(tf.Module, KerasSaveable):
     """Accumulation state and its add / apply / reset rules.
 
-    A ``tf.Module`` so that ``tf.train.Checkpoint`` of the host reaches the
-    state under stable names (``<host>/_accumulator/grad_sums/0``, ...).
+    The state's home is the accumulator itself, never its host's weight
+    lists (so a wrapped model's ``weights``, ``get_weights`` and
+    ``count_params`` are the plain model's): as a ``tf.Module`` a host's
+    ``tf.train.Checkpoint`` reaches it under stable names
+    (``<host>/_accumulator/grad_sums/0``, ...), and as a Keras saveable
+    ``.keras`` files and ``save_weights`` hold it under
+    ``<host>/_accumulator``, a path a plain model never reads. A host that
+    wants the state among its own variables instead (an optimizer, a layer)
+    passes ``track``.
 
     Args:
         accum_steps: micro-batches per optimizer update (an ``int >= 1``).
-        track: called with every variable the engine creates, so that the host
-            (a ``keras.Model``, optimizer or layer) tracks and saves it.
+        track: if given, called with every variable the engine creates, so
+            that the host tracks and saves it as its own.
         name: prefix for the variables' names.
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
         clip_factor, eps: adaptive gradient clipping parameters.
@@ -154,7 +205,7 @@ class Accumulator(tf.Module):
     def __init__(
         self,
         accum_steps: int,
-        track: Callable[[keras.Variable], None],
+        track: Callable[[keras.Variable], None] | None = None,
         name: str = "accumulator",
         use_agc: bool = False,
         clip_factor: float = 0.01,
@@ -162,7 +213,8 @@ class Accumulator(tf.Module):
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
     ):
         super().__init__(name=name)
-        self._accum_steps = check_accum_steps(accum_steps)
+        # The configured cycle length; once built, the variables hold it.
+        self._initial_accum_steps = check_accum_steps(accum_steps)
         if not isinstance(use_agc, bool):
             raise TypeError(f"`use_agc` must be a bool. Received: use_agc={use_agc!r}")
         self.use_agc = use_agc
@@ -180,6 +232,22 @@ class Accumulator(tf.Module):
         self._wiring = _Wiring()
         self.built = False
 
+    def _obj_type(self) -> str:
+        # Keras' saving walks a saveable's attributes (minus a layer's) for
+        # child saveables; see __dir__.
+        return "Layer"
+
+    def __dir__(self):
+        # The state has no child saveables, and Keras' saving evaluates every
+        # attribute it lists: properties would read variables, and `clock`
+        # (this accumulator or its leader) would send it round in circles.
+        cls = type(self)
+        return [
+            n
+            for n in super().__dir__()
+            if not isinstance(getattr(cls, n, None), property)
+        ]
+
     # ------------------------------------------------------------------ state
     def _new_variable(self, name, shape, dtype, initializer="zeros", **kwargs):
         variable = keras.Variable(
@@ -193,73 +261,132 @@ class Accumulator(tf.Module):
             name=f"{self._prefix}_{name}",
             **kwargs,
         )
-        self._track(variable)
+        if self._track is not None:
+            self._track(variable)
         return variable
 
-    def build(self, variables: Sequence[keras.Variable]) -> None:
-        """Creates the state for gradients of ``variables``."""
-        if self.built:
-            return
+    def build(self, variables: Sequence[keras.Variable]) -> bool:
+        """Creates the state for gradients of ``variables``.
+
+        Called again with other variables (layers were frozen or unfrozen),
+        it builds new gradient sums and starts an empty cycle: partial sums
+        are never carried across a change of the trainable set. Returns True
+        if it (re)built anything. Eager, under the host's strategy scope.
+        """
         variables = list(variables)
-        self._keys = {_var_key(v): i for i, v in enumerate(variables)}
+        keys = tuple(_var_key(v) for v in variables)
+        if self.built and keys == self._wiring.keys:
+            return False
         # Replica-local sums: every replica adds its own micro-batches without
         # communicating; reading them in cross-replica context sums over the
         # replicas, which is the single all-reduce of an update. A checkpoint
         # saves that sum and restores it split evenly, so the total survives.
         local = {"synchronization": "on_read", "aggregation": "sum"}
         first = {"aggregation": "only_first_replica"}
-        self.micro_step = self._new_variable("micro_step", (), "int64", **first)
-        self.accum_steps_variable = self._new_variable(
-            "accum_steps", (), "int64", initializer=self._accum_steps, **first
-        )
-        # What accum_steps becomes at the next cycle boundary.
-        self.next_accum_steps = self._new_variable(
-            "next_accum_steps", (), "int64", initializer=self._accum_steps, **first
-        )
-        self.weight_sum = self._new_variable("weight_sum", (), "float32", **local)
-        self.sample_sum = self._new_variable("sample_sum", (), "float32", **local)
-        # True while grad_sums hold only leftovers of the last cycle: cycles
-        # end without zeroing them (see _add).
-        self.empty = self._new_variable(
-            "empty",
-            (),
-            "bool",
-            initializer=True,
-            synchronization="on_read",
-            aggregation="only_first_replica",
-        )
-        self.last_grad_norm = self._new_variable(
-            "last_grad_norm", (), "float32", **first
-        )
-        self.last_batch = self._new_variable("last_batch", (), "float32", **first)
-        self.grad_sums = [
-            self._new_variable(
-                f"{v.path.replace('/', '_')}_grad_sum", v.shape, "float32", **local
+        if self.built:
+            self.micro_step.assign(0)
+            self.accum_steps_variable.assign(self.next_accum_steps)
+            self.weight_sum.assign(0.0)
+            self.sample_sum.assign(0.0)
+            self.empty.assign(True)
+        else:
+            steps = self._initial_accum_steps
+            self.micro_step = self._new_variable("micro_step", (), "int64", **first)
+            self.accum_steps_variable = self._new_variable(
+                "accum_steps", (), "int64", initializer=steps, **first
             )
+            # What accum_steps becomes at the next cycle boundary.
+            self.next_accum_steps = self._new_variable(
+                "next_accum_steps", (), "int64", initializer=steps, **first
+            )
+            self.weight_sum = self._new_variable("weight_sum", (), "float32", **local)
+            self.sample_sum = self._new_variable("sample_sum", (), "float32", **local)
+            # True while grad_sums hold only leftovers of the last cycle:
+            # cycles end without zeroing them (see _add).
+            self.empty = self._new_variable(
+                "empty",
+                (),
+                "bool",
+                initializer=True,
+                synchronization="on_read",
+                aggregation="only_first_replica",
+            )
+            self.last_grad_norm = self._new_variable(
+                "last_grad_norm", (), "float32", **first
+            )
+            self.last_batch = self._new_variable("last_batch", (), "float32", **first)
+        self.grad_sums = [
+            self._new_variable(f"{_name_of(v)}_grad_sum", v.shape, "float32", **local)
             for v in variables
         ]
+        self._wiring.keys = keys
+        self._wiring.present = {}
         self.built = True
+        return True
 
-    @property
-    def variables(self) -> list[keras.Variable]:
+    def _named_variables(self) -> list[tuple[str, keras.Variable]]:
         if not self.built:
             return []
         return [
-            self.micro_step,
-            self.accum_steps_variable,
-            self.next_accum_steps,
-            self.weight_sum,
-            self.sample_sum,
-            self.empty,
-            self.last_grad_norm,
-            self.last_batch,
-            *self.grad_sums,
+            ("micro_step", self.micro_step),
+            ("accum_steps", self.accum_steps_variable),
+            ("next_accum_steps", self.next_accum_steps),
+            ("weight_sum", self.weight_sum),
+            ("sample_sum", self.sample_sum),
+            ("empty", self.empty),
+            ("last_grad_norm", self.last_grad_norm),
+            ("last_batch", self.last_batch),
+            *((f"grad_sum_{i}", b) for i, b in enumerate(self.grad_sums)),
         ]
 
     @property
+    def variables(self) -> list[keras.Variable]:
+        return [variable for _, variable in self._named_variables()]
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches the current cycle holds (eager)."""
+        return int(self.micro_step.numpy()) if self.built else 0
+
+    def save_own_variables(self, store) -> None:
+        """Keras saving: writes the state (unless the host saves it)."""
+        if self._track is None:
+            for key, variable in self._named_variables():
+                store[key] = variable
+
+    def load_own_variables(self, store) -> None:
+        """Keras loading: reads the state a file holds; a file without any
+        (saved by a plain model, or before any training) leaves it as is."""
+        if self._track is not None or not list(store.keys()):
+            return
+        binding = self._wiring.binding
+        if not self.built and binding is not None:
+            with binding.strategy().scope():
+                self.build(binding.variables())
+        expected = [key for key, _ in self._named_variables()]
+        if sorted(store.keys()) != sorted(expected):
+            raise ValueError(
+                "The file's accumulation state does not fit this model: it "
+                f"holds {len(store.keys())} entries where the model's state "
+                f"has {len(expected)} (one gradient sum per trainable "
+                "variable). Load it into a model with the same trainable "
+                "layers, or load the weights alone with a plain model."
+            )
+        for key, variable in self._named_variables():
+            variable.assign(store[key])
+
+    @property
+    def initial_accum_steps(self) -> int:
+        """The cycle length the accumulator was configured with."""
+        return self._initial_accum_steps
+
+    @property
     def accum_steps(self) -> int:
-        """Micro-batches per update (the latest value asked for)."""
-        return self._accum_steps
+        """Micro-batches per update (the latest value asked for; eager)."""
+        if not self.built:
+            return self._initial_accum_steps
+        with tf.init_scope():
+            return int(self.next_accum_steps.numpy())
 
     def set_accum_steps(self, accum_steps: int) -> None:
         """Changes ``accum_steps`` from the next cycle on (now, between cycles).
@@ -267,20 +394,24 @@ class Accumulator(tf.Module):
         Call eagerly, e.g. from a callback; partial sums are never mixed
         across two cycle lengths.
         """
-        self._accum_steps = check_accum_steps(accum_steps)
+        accum_steps = check_accum_steps(accum_steps)
         if not self.built:
+            self._initial_accum_steps = accum_steps
             return
-        self.next_accum_steps.assign(self._accum_steps)
-        if int(self.micro_step.numpy()) == 0:
-            self.accum_steps_variable.assign(self._accum_steps)
+        self.next_accum_steps.assign(accum_steps)
+        if self.pending == 0:
+            self.accum_steps_variable.assign(accum_steps)
 
-    def _restored_accum_steps(self) -> None:
-        # A checkpoint holds the cycle length that was in force; keep the
-        # Python-side value (used for tracing decisions) in step with it.
-        if self.built:
-            self._accum_steps = int(self.next_accum_steps.numpy())
+    # ------------------------------------------------------- host and links
+    def bind(self, binding: Binding) -> None:
+        """Tells the engine how its host ends a cycle outside a train step."""
+        self._wiring.binding = binding
 
-    # -------------------------------------------------------------- followers
+    def unwire(self) -> None:
+        """Forgets everything traced (the host was compiled again)."""
+        self._wiring.flush_fns.clear()
+        self._wiring.pending = None
+
     def follow(self, leader: Accumulator) -> None:
         """Lets ``leader`` decide, reduce and apply this accumulator's cycles."""
         if leader is self:
@@ -291,6 +422,12 @@ class Accumulator(tf.Module):
             self._wiring.leader._wiring.followers.remove(self)
         self._wiring.leader = leader
         leader._wiring.followers.append(self)
+
+    def unfollow(self) -> None:
+        """Makes this accumulator decide its own cycles again."""
+        if self._wiring.leader is not None:
+            self._wiring.leader._wiring.followers.remove(self)
+            self._wiring.leader = None
 
     @property
     def leader(self) -> Accumulator | None:
@@ -385,7 +522,13 @@ class Accumulator(tf.Module):
         else:
             present = self.add(grads, variables, weight, count, samples)
         return self.end_micro_step(
-            variables, present, apply_fn, on_apply, on_skip, last=last
+            variables,
+            present,
+            apply_fn,
+            on_apply,
+            on_skip,
+            last=last,
+            after=[*grads, weight, count],
         )
 
     def end_micro_step(
@@ -396,18 +539,27 @@ class Accumulator(tf.Module):
         on_apply: Callable[[], None] | None = None,
         on_skip: Callable[[], None] | None = None,
         last=None,
+        after: Sequence = (),
     ) -> tf.Tensor | None:
         """Ends a micro-step whose gradients :meth:`add` already added
         (``present`` as it returned); applies and resets if the cycle is
-        complete. Replica context; see :meth:`step` for the arguments."""
+        complete. ``after``: tensors computed from the micro-batch's data,
+        which every state change of the micro-step waits for. Replica
+        context; see :meth:`step` for the other arguments."""
         group = _Group(
             self, list(variables), self._buffers_for(variables), list(present), apply_fn
         )
+        self._wiring.present = {id(b): p for b, p in zip(group.buffers, group.present)}
         if self._wiring.leader is not None:
             # Consumed by the leader's step later in the same traced function.
             self._wiring.pending = group
-            self._wiring.last_end = (group,)
             return None
+        # Keras ends an epoch of unknown length by running the train function
+        # once more on the exhausted iterator: the counter's update does not
+        # read the data, so without this dependency it would run before the
+        # end-of-data error and count a micro-batch that never came.
+        with tf.control_dependencies(_dense(after)):
+            token = tf.zeros([])
         # A closure, not merge_call args: args are regrouped per replica, and
         # the (identical) mirrored objects are wanted, not PerReplica bundles.
         end = functools.partial(
@@ -417,26 +569,26 @@ class Accumulator(tf.Module):
             on_apply=on_apply or _nothing,
             on_skip=on_skip or _nothing,
         )
-        return tf.distribute.get_replica_context().merge_call(end)
+        return tf.distribute.get_replica_context().merge_call(end, args=(token,))
 
     def _buffers_for(self, variables):
-        try:
-            return [self.grad_sums[self._keys[_var_key(v)]] for v in variables]
-        except KeyError as error:
+        keys = [_var_key(v) for v in variables]
+        index = {key: i for i, key in enumerate(self._wiring.keys)}
+        if any(key not in index for key in keys):
             raise ValueError(
-                "A trainable variable appeared after the gradient accumulator "
-                "was built. Rebuild the model/optimizer (e.g. call `compile()` "
-                "again) after changing which layers are trainable."
-            ) from error
+                "The gradient accumulator was built for other trainable "
+                "variables than the ones training now. Call `compile()` "
+                "again after changing which layers are trainable (Keras "
+                "needs that too); the accumulation state is rebuilt then."
+            )
+        return [self.grad_sums[index[key]] for key in keys]
 
-    def _end_micro_step(self, strategy, group, last, on_apply, on_skip):
+    def _end_micro_step(self, strategy, token, group, last, on_apply, on_skip):
         # Runs in cross-replica context: TensorFlow forbids merge_call (which
         # the all-reduce and Keras' optimizer use) inside a tf.cond in replica
         # context, so the conditionals live here and the optimizer is driven
         # back in replica context, as Keras' LossScaleOptimizer does.
-        is_update = self.micro_step + 1 >= self.accum_steps_variable
         groups = [group, *self._take_followers()]
-        self._wiring.last_end = (groups, on_apply, on_skip)
 
         def update():
             self._update(strategy, groups, last, on_apply, on_skip)
@@ -446,7 +598,9 @@ class Accumulator(tf.Module):
                 self.add(last[0], group.variables, *last[1:])
             self.micro_step.assign_add(1)
 
-        tf.cond(is_update, update, accumulate)
+        with tf.control_dependencies(strategy.experimental_local_results(token)):
+            is_update = self.micro_step + 1 >= self.accum_steps_variable
+            tf.cond(is_update, update, accumulate)
         return is_update
 
     def _take_followers(self) -> list[_Group]:
@@ -525,7 +679,7 @@ class Accumulator(tf.Module):
         """Applies what the current, incomplete cycle holds (weighted exactly
         as a big batch of just those micro-batches) and starts a new cycle.
 
-        Eager; does nothing if the cycle is empty or no train step has run.
+        Eager; does nothing if the cycle is empty.
         """
         self._end_cycle_eagerly("flush", strategy)
 
@@ -533,31 +687,46 @@ class Accumulator(tf.Module):
         """Discards the current, incomplete cycle and starts a new one."""
         self._end_cycle_eagerly("drop", strategy)
 
+    def _group_now(self) -> _Group | None:
+        """This accumulator's part of a cycle end, from its host's binding
+        as it is now (variables, optimizer)."""
+        binding = self._wiring.binding
+        if not self.built or binding is None:
+            return None
+        variables = list(binding.variables())
+        buffers = self._buffers_for(variables)
+        # Which variables had gradients is structural: as in the last traced
+        # step, or all of them before any step was traced (a loaded model).
+        present = [self._wiring.present.get(id(b), True) for b in buffers]
+        return _Group(self, variables, buffers, present, binding.apply_fn())
+
     def _end_cycle_eagerly(self, how: str, strategy) -> None:
         if self._wiring.leader is not None:
             raise ValueError(
                 "This accumulator follows another one; flush or drop the "
                 "cycle of the model it follows."
             )
-        if not self.built or self._wiring.last_end is None:
+        group = self._group_now()
+        if group is None or self.pending == 0:
             return
-        strategy = strategy or tf.distribute.get_strategy()
-        groups, on_apply, on_skip = self._wiring.last_end
-        groups = [
-            groups[0],
-            *(
-                f._wiring.last_end[0]
-                for f in self._wiring.followers
-                if f._wiring.last_end
-            ),
-        ]
+        binding = self._wiring.binding
+        strategy = strategy or binding.strategy()
         key = (how, id(strategy))
         if key not in self._wiring.flush_fns:
+            followers = [f._group_now() for f in self._wiring.followers]
+            groups = [group, *(g for g in followers if g is not None)]
+            on_apply, on_skip = binding.hooks()
 
             def end():
                 def run():
                     if how == "flush":
-                        self._update(strategy, groups, None, on_apply, on_skip)
+                        self._update(
+                            strategy,
+                            groups,
+                            None,
+                            on_apply or _nothing,
+                            on_skip or _nothing,
+                        )
                     else:
                         self._each_replica(strategy, _zero, groups)
                         self._restart(strategy, groups)

@@ -5,19 +5,21 @@
 mean and variance on every call it pools the micro-batches' moments (merged
 as in Chan's parallel algorithm, in float32) in an :class:`Accumulator` and,
 once per cycle, updates the moving statistics as Keras' layer would on the
-concatenated big batch. :func:`replace_batchnorm_layers` converts a model.
+concatenated big batch. :func:`~gradient_accumulator.replace_batchnorm_layers`
+converts a model.
 """
 
 from __future__ import annotations
 
+import functools
 import numbers
 
 import keras
 import tensorflow as tf
 from keras import ops
-from keras.src.layers.normalization.batch_normalization import _clone_initializer
 
-from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator._keras_compat import clone_initializer, track_variable
+from gradient_accumulator.accumulator import Accumulator, Binding
 from gradient_accumulator.validation import check_accum_steps, check_bool
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
@@ -125,7 +127,7 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         # Keras' layer. A model it follows overrides the cycle anyway.
         self._accumulator = Accumulator(
             1 if accum_steps is None else accum_steps,
-            track=self._track_state,
+            track=functools.partial(track_variable, self),
             name="accumulator",
         )
 
@@ -142,15 +144,6 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         config["accum_steps"] = self._requested_accum_steps
         return config
 
-    def _track_state(self, variable) -> None:
-        # The engine creates its variables after Keras' build has run; keep
-        # the tracker's lock as Keras left it.
-        locked = self._tracker.locked
-        self._tracker.unlock()
-        self._track_variable(variable)
-        if locked:
-            self._tracker.lock()
-
     def build(self, input_shape) -> None:
         super().build(input_shape)
         # The shift of the pooled sums: the last cycle's exact big-batch mean
@@ -162,38 +155,43 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         self.accumulation_shift = self.add_weight(
             shape=self.moving_mean.shape,
             name="accumulation_shift",
-            initializer=_clone_initializer(self.moving_mean_initializer),
+            initializer=clone_initializer(self.moving_mean_initializer),
             trainable=False,
             autocast=False,
         )
         # One per-channel buffer per sum of _accumulate_statistics, keyed by
         # (and shaped like) these variables.
-        self._accumulator.build(
-            [self.moving_mean, self.moving_variance, self.accumulation_shift]
+        statistics = [self.moving_mean, self.moving_variance, self.accumulation_shift]
+        self._accumulator.build(statistics)
+        self._accumulator.bind(
+            Binding(
+                variables=lambda: statistics,
+                apply_fn=lambda: self._apply_statistics,
+            )
         )
 
-    def load_own_variables(self, store) -> None:
-        super().load_own_variables(store)
-        self._accumulator._restored_accum_steps()
-
     # -------------------------------------------------------------- the cycle
-    def follow_model(self, leader: Accumulator, link: bool = True) -> None:
+    def follow_model(
+        self, leader: Accumulator, accum_steps: int, link: bool = True
+    ) -> None:
         """Makes the moving statistics follow ``leader``'s cycle.
 
-        Called by :class:`GradientAccumulateModel` at the start of every
-        traced train step with its accumulator; ``link=False`` (the model's
-        plain-Keras fast path) only checks ``accum_steps``.
+        Called by :class:`GradientAccumulateModel` with its accumulator and
+        cycle length whenever it makes a train function; ``link=False`` (the
+        model's plain-Keras fast path) only checks ``accum_steps``.
         """
         requested = self._requested_accum_steps
-        if requested is not None and requested != leader.accum_steps:
+        if requested is not None and requested != accum_steps:
             raise ValueError(
                 f"AccumBatchNormalization {self.name!r} was given "
                 f"accum_steps={requested}, but the GradientAccumulateModel it "
-                f"belongs to uses accum_steps={leader.accum_steps}. Omit "
+                f"belongs to uses accum_steps={accum_steps}. Omit "
                 "accum_steps (accum_steps=None) to take it from the model."
             )
         if link:
             self._accumulator.follow(leader)
+        else:
+            self._accumulator.unfollow()
 
     # ---------------------------------------------------------------- forward
     def call(self, inputs, training=None, mask=None):
@@ -311,107 +309,3 @@ def _check_no_renorm(kwargs: dict) -> None:
             "AccumBatchNormalization does not support batch renormalisation "
             "(`renorm=True`). Received: renorm=True."
         )
-
-
-def replace_batchnorm_layers(
-    model: keras.Model, accum_steps: int | None = None, position: str = "replace"
-) -> keras.Model:
-    """Returns a copy of ``model`` with every ``BatchNormalization`` accumulating.
-
-    Every ``keras.layers.BatchNormalization`` (in nested functional and
-    ``Sequential`` models too) becomes an :class:`AccumBatchNormalization`
-    with the same configuration, gamma, beta, moving mean and moving
-    variance; every other layer is copied with its weights. In inference the
-    returned model predicts exactly what ``model`` predicts. ``model`` itself
-    is left untouched (no layer or variable is shared).
-
-    Args:
-        model: a functional or ``Sequential`` ``keras.Model`` (a
-            :class:`GradientAccumulateModel` stays one, with its settings).
-            Subclassed models cannot be rebuilt layer by layer: use
-            :class:`AccumBatchNormalization` in their code instead.
-        accum_steps: given to every new layer; ``None`` (the default) takes it
-            from the :class:`GradientAccumulateModel` the layers end up in.
-        position: only ``"replace"``, accepted for 0.5.x compatibility.
-
-    Returns:
-        The converted model, compiled like ``model`` if ``model`` was.
-        Subclasses of ``BatchNormalization`` are copied unchanged.
-    """
-    from gradient_accumulator.model import GradientAccumulateModel
-
-    if position != "replace":
-        raise ValueError(
-            f"`position` must be 'replace'. Received: position={position!r}."
-        )
-    if accum_steps is not None:
-        check_accum_steps(accum_steps)
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model (functional or Sequential). "
-            f"Received: model={model!r} of type {type(model).__name__}."
-        )
-    if not isinstance(model, keras.Sequential) and not _is_functional(model):
-        raise TypeError(
-            "replace_batchnorm_layers can only rebuild functional or Sequential "
-            f"models; {type(model).__name__!r} is subclassed. Use "
-            "AccumBatchNormalization in its code instead."
-        )
-
-    pairs: list[tuple[keras.layers.Layer, keras.layers.Layer]] = []
-
-    def clone(layer):
-        config = layer.get_config()
-        if type(layer) is keras.layers.BatchNormalization:
-            if config.get("renorm"):
-                raise ValueError(
-                    f"BatchNormalization {layer.name!r} uses renorm=True, which "
-                    "AccumBatchNormalization does not support."
-                )
-            new = AccumBatchNormalization.from_config(
-                {**config, "accum_steps": accum_steps}
-            )
-        else:
-            new = layer.__class__.from_config(config)
-        pairs.append((layer, new))
-        return new
-
-    source = model
-    if isinstance(model, GradientAccumulateModel):
-        # Clone the graph alone: Keras would call the model's class with
-        # (inputs, outputs), which this constructor reads as accum_steps.
-        source = keras.Model(model.inputs, model.outputs, name=model.name)
-    new_model = keras.models.clone_model(source, clone_function=clone, recursive=True)
-    for old, new in pairs:
-        if isinstance(new, AccumBatchNormalization) and not isinstance(
-            old, AccumBatchNormalization
-        ):
-            for name in ("gamma", "beta", "moving_mean", "moving_variance"):
-                source, target = getattr(old, name), getattr(new, name)
-                if source is not None:
-                    target.assign(source)
-            new.accumulation_shift.assign(old.moving_mean)
-        elif old.weights:
-            new.set_weights(old.get_weights())
-
-    if isinstance(model, GradientAccumulateModel):
-        accumulator = model._accumulator
-        functional = new_model
-        new_model = GradientAccumulateModel(
-            accum_steps=accumulator.accum_steps,
-            use_agc=accumulator.use_agc,
-            clip_factor=accumulator.clip_factor,
-            eps=accumulator.eps,
-            inputs=functional.inputs,
-            outputs=functional.outputs,
-            name=model.name,
-        )
-        if model.compiled:
-            new_model.compile_from_config(model.get_compile_config())
-    return new_model
-
-
-def _is_functional(model) -> bool:
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, Functional)

@@ -7,6 +7,8 @@ import threading
 
 import tensorflow as tf
 
+from gradient_accumulator._keras_compat import set_all_reduce
+
 # MirroredStrategy traces each replica in its own thread.
 _lock = threading.Lock()
 _depth: dict[int, int] = {}
@@ -32,7 +34,7 @@ def already_reduced(optimizer):
     key = id(optimizer)
     with _lock:
         if _depth.get(key, 0) == 0:
-            optimizer._all_reduce_sum_gradients = _pass_through
+            set_all_reduce(optimizer, _pass_through)
         _depth[key] = _depth.get(key, 0) + 1
     try:
         yield
@@ -41,4 +43,4 @@ def already_reduced(optimizer):
             _depth[key] -= 1
             if _depth[key] == 0:
                 del _depth[key]
-                del optimizer._all_reduce_sum_gradients
+                set_all_reduce(optimizer, None)

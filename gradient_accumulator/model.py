@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import keras
 import tensorflow as tf
-from keras.src.losses.loss import apply_mask, unscale_loss_for_distribution
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
 
-from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator._keras_compat import (
+    GLOBAL_CUSTOM_NAMES,
+    Functional,
+    all_layers,
+    apply_mask,
+    call_has_training_arg,
+    flat_losses,
+    functional_from_config,
+    functional_init_arguments,
+    loss_tracker,
+    unscale_loss_for_distribution,
+)
+from gradient_accumulator.accumulator import Accumulator, Binding
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import (
@@ -27,6 +37,26 @@ from gradient_accumulator.validation import (
 )
 
 _MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
+_DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
+# The constructor's own arguments, saved in the model's config.
+_SETTINGS = (
+    "accum_steps",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "micro_batch_size",
+    "partial_cycle",
+    "flush_at_end",
+)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a train function is traced for, read from the state when Keras
+    makes it (so it never outlives a compile() or a change of settings)."""
+
+    plain: bool  # accum_steps 1 and nothing to do per cycle: Keras' own step
+    accum_steps: int
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -105,15 +135,17 @@ class GradientAccumulateModel(keras.Model):
         *args,
         **kwargs,
     ):
+        if _is_tensor_structure(accum_steps):
+            # keras.models.clone_model and Keras' functional revival pass
+            # (inputs, outputs) positionally.
+            args = (accum_steps, mixed_precision, *args)
+            accum_steps, mixed_precision = 1, False
         check_accum_steps(accum_steps)
         micro_batch_size = check_micro_batch_size(micro_batch_size)
         self._partial_cycle = check_choice(
             "partial_cycle", partial_cycle, PARTIAL_CYCLE
         )
         self._flush_at_end = check_bool("flush_at_end", flush_at_end)
-        # Set once accum_steps may change during training: the plain Keras
-        # step traced for accum_steps=1 would then go stale.
-        self._scheduled = False
         warn_unneeded(
             "mixed_precision",
             mixed_precision,
@@ -128,7 +160,6 @@ class GradientAccumulateModel(keras.Model):
         )
         accumulator = Accumulator(
             accum_steps,
-            track=self._track_state,
             name="accumulator",
             use_agc=use_agc,
             clip_factor=clip_factor,
@@ -141,8 +172,15 @@ class GradientAccumulateModel(keras.Model):
             super().__init__(*args, **kwargs)
         self._accumulator = accumulator
         self._micro_batch_size = micro_batch_size
-        if self.built:
-            self._accumulator.build(self.trainable_variables)
+        self._plan: _Plan | None = None
+        accumulator.bind(
+            Binding(
+                variables=lambda: self.trainable_variables,
+                apply_fn=lambda: self._apply_fn(self.trainable_variables),
+                hooks=lambda: scale_hooks(self.optimizer),
+                strategy=lambda: self.distribute_strategy,
+            )
+        )
 
     # ----------------------------------------------------------------- config
     @property
@@ -162,79 +200,160 @@ class GradientAccumulateModel(keras.Model):
         partial sums never mix two cycle lengths. See
         :class:`~gradient_accumulator.AccumulationScheduler`.
         """
-        plain = self._plain_keras_step()
-        self._scheduled = True
         self._accumulator.set_accum_steps(accum_steps)
-        if plain and getattr(self, "train_function", None) is not None:
+        if self._plan is not None and self._plan.plain and accum_steps != 1:
+            # The traced step is Keras' own, which knows nothing of cycles.
             self.make_train_function(force=True)
 
     def flush(self) -> None:
         """Applies the micro-batches of the current, incomplete cycle now, with
         the gradient a big batch of just those micro-batches would give."""
+        if self._accumulator.pending:
+            # Also on a model just loaded, which has traced no step yet.
+            self._link_batch_norm(follow=True)
         self._accumulator.flush(self.distribute_strategy)
 
     def drop_partial_cycle(self) -> None:
         """Discards the micro-batches of the current, incomplete cycle."""
+        if self._accumulator.pending:
+            self._link_batch_norm(follow=True)
         self._accumulator.drop(self.distribute_strategy)
 
     def fit(self, *args, **kwargs):
+        """Trains as ``keras.Model.fit`` does, one micro-batch per step.
+
+        ``batch_size`` is the micro-batch: with ``accum_steps=K`` each
+        update uses the gradient of ``K * batch_size`` samples (with
+        ``micro_batch_size`` set, each ``batch_size`` batch is cut into
+        slices instead). The model's ``partial_cycle`` policy runs at every
+        epoch end; see :class:`GradientAccumulateModel`.
+        """
         # Keras' fit takes callbacks as its sixth positional argument.
         args = list(args)
         callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        # First, so that other callbacks see the weights after a flush; a
+        # second one last, which sees whether a callback stopped training.
+        head, tail = _PartialCycles(self), _PartialCycles(self, closing=True)
         if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.callbacks.insert(0, _PartialCycles(self))
+            callbacks.callbacks.insert(0, head)
+            callbacks.callbacks.append(tail)
         else:
-            # First, so that other callbacks see the weights after a flush.
-            callbacks = [_PartialCycles(self), *(callbacks or [])]
+            callbacks = [head, *(callbacks or []), tail]
         if len(args) > 5:
             args[5] = callbacks
         else:
             kwargs["callbacks"] = callbacks
         return super().fit(*args, **kwargs)
 
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        # Nothing traced for the last compile (flush functions, the plan)
+        # survives it; the state follows the trainable variables of now.
+        self._accumulator.unwire()
+        self._plan = None
+        self._sync_state()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on loading a model whose class overrides it;
+        # ours only adds to Keras' compile, so loading compiles as usual.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._sync_state()
+        self._plan = self._make_plan()
+        self._link_batch_norm(follow=not self._plan.plain)
+        return super().make_train_function(force=force)
+
+    def _sync_state(self) -> None:
+        """Builds the accumulation state for the current trainable variables
+        (eager; nothing happens when it already fits them)."""
+        if not self.built:
+            return  # a subclassed model: built at its first train step
+        accumulator = self._accumulator
+        pending = accumulator.pending
+        with self.distribute_strategy.scope():
+            rebuilt = accumulator.build(self.trainable_variables)
+        if rebuilt and pending:
+            warnings.warn(
+                f"GradientAccumulateModel: the trainable variables changed, so "
+                f"the {pending} micro-batch(es) of an incomplete cycle were "
+                "dropped (their gradients are of another set of variables). "
+                "fit() flushes a partial cycle at its end unless "
+                "flush_at_end=False.",
+                stacklevel=3,
+            )
+
+    def _make_plan(self) -> _Plan:
+        accumulator = self._accumulator
+        steps = accumulator.accum_steps
+        plain = (
+            steps == 1
+            and self._micro_batch_size is None
+            and not accumulator.use_agc
+            and accumulator.skip_update_fn is None
+        )
+        if plain and accumulator.built:
+            with tf.init_scope():
+                current = int(accumulator.accum_steps_variable.numpy())
+            plain = current == 1 and accumulator.pending == 0
+        return _Plan(plain=plain, accum_steps=steps)
+
+    def _settings(self) -> dict:
+        """The constructor arguments that reproduce this model's accumulation."""
+        accumulator = self._accumulator
+        return {
+            "accum_steps": accumulator.accum_steps,
+            "use_agc": accumulator.use_agc,
+            "clip_factor": accumulator.clip_factor,
+            "eps": accumulator.eps,
+            "micro_batch_size": self._micro_batch_size,
+            "partial_cycle": self._partial_cycle,
+            "flush_at_end": self._flush_at_end,
+        }
+
     def get_config(self):
         config = super().get_config()
-        config.update(
-            accum_steps=self._accumulator.accum_steps,
-            use_agc=self._accumulator.use_agc,
-            clip_factor=self._accumulator.clip_factor,
-            eps=self._accumulator.eps,
-            micro_batch_size=self._micro_batch_size,
-            partial_cycle=self._partial_cycle,
-            flush_at_end=self._flush_at_end,
-        )
+        config.update(self._settings())
         return config
 
-    def load_own_variables(self, store):
-        # A subclassed model creates its state at its first train step; a
-        # fresh one being loaded from a file that holds state needs it now.
-        if not self._accumulator.built and len(store.keys()) > len(self.weights):
-            self._accumulator.build(self.trainable_variables)
-        super().load_own_variables(store)
-        self._accumulator._restored_accum_steps()
-
-    def _track_state(self, variable):
-        # Keras locks a built model's variable list; the accumulation state is
-        # created after that, for subclassed models at the first train step.
-        locked = self._tracker.locked
-        self._tracker.unlock()
-        self._track_variable(variable)
-        if locked:
-            self._tracker.lock()
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        functional = all(k in config for k in ("layers", "input_layers", "name"))
+        while True:
+            try:
+                if functional:
+                    return functional_from_config(
+                        cls, dict(config), custom_objects=custom_objects
+                    )
+                return super().from_config(config, custom_objects=custom_objects)
+            except TypeError as error:
+                # A subclass that sets a setting itself, e.g.
+                # ``super().__init__(accum_steps=4, **kwargs)``, receives the
+                # saved one a second time: its own value wins.
+                match = _DUPLICATE.search(str(error))
+                if match is None or match.group(1) not in config:
+                    raise
+                config.pop(match.group(1))
 
     # ---------------------------------------------------------------- training
     def train_step(self, data):
+        if self._plan is None:
+            # Called outside fit (a custom loop): plan as fit would.
+            self._plan = self._make_plan()
+            self._link_batch_norm(follow=not self._plan.plain)
         if self._micro_batch_size is not None:
-            self._link_batch_norm(follow=True)
             return self._in_step_train_step(data)
         accumulator = self._accumulator
-        fast_path = self._plain_keras_step()
-        self._link_batch_norm(follow=not fast_path)
-        if fast_path:
+        if self._plan.plain:
             return super().train_step(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         micro = self._micro_batch_gradients(x, y, sample_weight)
-        self._loss_tracker.update_state(micro.loss, sample_weight=micro.samples)
+        loss_tracker(self).update_state(micro.loss, sample_weight=micro.samples)
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             micro.grads,
@@ -261,7 +380,7 @@ class GradientAccumulateModel(keras.Model):
         """
         accumulator = self._accumulator
         with tf.GradientTape() as tape:
-            y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
+            y_pred = self(x, training=True) if call_has_training_arg(self) else self(x)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
                 with tf.init_scope():
@@ -392,7 +511,7 @@ class GradientAccumulateModel(keras.Model):
         else:
             loss, share = zero, zero
         loss_sum, denominator = loss_sum + loss, denominator + share
-        self._loss_tracker.update_state(
+        loss_tracker(self).update_state(
             tf.math.divide_no_nan(loss_sum, denominator), sample_weight=batch
         )
         on_apply, on_skip = scale_hooks(self.optimizer)
@@ -403,18 +522,9 @@ class GradientAccumulateModel(keras.Model):
             apply_fn=self._apply_fn(variables),
             on_apply=on_apply,
             on_skip=on_skip,
+            after=[loss_sum, denominator],
         )
         return {**self.get_metrics_result(), **self._cycle_logs()}
-
-    def _plain_keras_step(self) -> bool:
-        accumulator = self._accumulator
-        return (
-            accumulator.accum_steps == 1
-            and not accumulator.use_agc
-            and accumulator.skip_update_fn is None
-            and not self._scheduled
-            and self._micro_batch_size is None
-        )
 
     def _cycle_logs(self) -> dict:
         """Per-step log entries that tell updates from micro-steps."""
@@ -434,13 +544,14 @@ class GradientAccumulateModel(keras.Model):
         their sums ride in the gradients' single all-reduce. Off the engine
         path (``follow=False``) the layers act alone; both check their
         ``accum_steps`` against the model's."""
-        for layer in self._flatten_layers(include_self=False, recursive=True):
+        steps = self._accumulator.accum_steps
+        for layer in all_layers(self)[1:]:
             if isinstance(layer, AccumBatchNormalization):
-                layer.follow_model(self._accumulator, link=follow)
+                layer.follow_model(self._accumulator, steps, link=follow)
 
     def _sums_losses(self) -> bool:
         """Whether the loss is one term with a "sum" reduction."""
-        terms = getattr(self._compile_loss, "_flat_losses", None) or []
+        terms = flat_losses(self)
         return len(terms) == 1 and getattr(terms[0].loss, "reduction", None) == "sum"
 
     def _micro_batch_weight(self, x, y_pred, sample_weight, opens_step=None):
@@ -452,7 +563,7 @@ class GradientAccumulateModel(keras.Model):
         tensor): later slices of the step do not advance the counter.
         """
         batch = tf.cast(_batch_size(x), tf.float32)
-        terms = getattr(self._compile_loss, "_flat_losses", None) or []
+        terms = flat_losses(self)
         if len(terms) != 1:
             if any(_mask_of(_at(y_pred, t.path)) is not None for t in terms):
                 warnings.warn(
@@ -490,26 +601,43 @@ class GradientAccumulateModel(keras.Model):
 
 
 class _PartialCycles(keras.callbacks.Callback):
-    """Applies the model's ``partial_cycle`` policy at epoch and fit ends."""
+    """Applies the model's ``partial_cycle`` policy at epoch and fit ends.
 
-    def __init__(self, model: GradientAccumulateModel):
+    ``fit`` gets two: the first in its callback list acts at every epoch end
+    (before other callbacks see the weights); the ``closing`` one, last,
+    ends a carried cycle when another callback stopped training. Both act
+    at the last epoch's end rather than at ``on_train_end``, because Keras
+    swaps EMA weights in (``finalize_variable_values``) between the two.
+    """
+
+    def __init__(self, model: GradientAccumulateModel, closing: bool = False):
         super().__init__()
         self._owner = model
+        self._closing = closing
 
-    def _end(self, policy: str) -> None:
-        if policy == "flush":
-            self._owner.flush()
-        elif policy == "drop":
-            self._owner.drop_partial_cycle()
+    def _end_fit(self) -> None:
+        owner = self._owner
+        if owner._partial_cycle == "drop":
+            owner.drop_partial_cycle()
+        elif owner._flush_at_end:
+            owner.flush()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._end(self._owner._partial_cycle)
+        owner = self._owner
+        if self._closing:
+            if owner.stop_training:
+                self._end_fit()
+        elif owner._partial_cycle == "flush":
+            owner.flush()
+        elif owner._partial_cycle == "drop":
+            owner.drop_partial_cycle()
+        elif epoch + 1 >= (getattr(self, "params", None) or {}).get("epochs", 0):
+            self._end_fit()
 
     def on_train_end(self, logs=None):
-        if self._owner._partial_cycle == "drop":
-            self._end("drop")
-        elif self._owner._flush_at_end:
-            self._end("flush")
+        # Nothing is pending here unless fit ended outside an epoch end.
+        if not self._closing:
+            self._end_fit()
 
 
 _functional_variants: dict[type, type] = {}
@@ -570,6 +698,13 @@ def _slice(tensor, start, length):
         return tf.gather(tensor, start + tf.range(length, dtype=start.dtype))
     rank = tensor.shape.rank
     return tf.slice(tensor, [start] + [0] * (rank - 1), [length] + [-1] * (rank - 1))
+
+
+def _is_tensor_structure(value) -> bool:
+    """Whether ``value`` is a symbolic tensor or a structure of them."""
+    if isinstance(value, int | float | bool | type(None)):
+        return False
+    return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(value))
 
 
 def _batch_size(x):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
-from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.accumulator import Accumulator, Binding
 from gradient_accumulator.loss_scale import (
     apply_gradients,
     install,
@@ -111,7 +113,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 setattr(inner, key, value)
         accumulator = Accumulator(
             accum_steps,
-            track=self._track_state,
+            track=self._track_variable,
             name="accumulator",
             use_agc=use_agc,
             clip_factor=clip_factor,
@@ -123,6 +125,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.reduction = reduction.upper()
         self._accumulator = accumulator
         self._scheduled = False
+        # The LossScaleOptimizer whose scale this optimizer's cycles use (set
+        # when a step is traced; see loss_scale.py). A weak reference: the
+        # scaler usually wraps this optimizer, and a tracked back-reference
+        # would make a cycle of checkpoint dependencies.
+        self._scaler = _no_scaler
 
     # ------------------------------------------------------------ delegation
     @property
@@ -154,13 +161,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def _track_state(self, variable):
-        self._track_variable(variable)
-
-    def load_own_variables(self, store):
-        super().load_own_variables(store)
-        self._accumulator._restored_accum_steps()
-
     # ---------------------------------------------------------------- update
     def build(self, var_list):
         if self.built:
@@ -168,6 +168,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.build(var_list)
         self._accumulator.build(var_list)
         super().build(var_list)
+        variables = list(var_list)
+        self._accumulator.bind(
+            Binding(
+                variables=lambda: variables,
+                apply_fn=lambda: functools.partial(
+                    apply_gradients, self.inner_optimizer, variables=variables
+                ),
+                hooks=lambda: scale_hooks(self._scaler()),
+            )
+        )
 
     def apply(self, grads, trainable_variables=None):
         variables = self._prepare(trainable_variables)
@@ -222,6 +232,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         def apply_fn(accumulated):
             apply_gradients(self.inner_optimizer, accumulated, variables)
 
+        self._scaler = _no_scaler if scaler is None else weakref.ref(scaler)
         on_apply, on_skip = scale_hooks(scaler)
         self._accumulator.step(
             grads,
@@ -235,9 +246,11 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # ------------------------------------------------------- cycle control
     def _plain_step(self) -> bool:
+        # Decided when a step is traced, from the configuration: a schedule
+        # (set_accum_steps) may later need cycles, so it rules this out.
         accumulator = self._accumulator
         return (
-            accumulator.accum_steps == 1
+            accumulator.initial_accum_steps == 1
             and not accumulator.use_agc
             and accumulator.skip_update_fn is None
             and not self._scheduled
@@ -286,6 +299,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 # compile() wraps this optimizer in a LossScaleOptimizer under
 # "mixed_float16"; make that wrapper hand whole cycles to us (see loss_scale).
 install()
+
+
+def _no_scaler() -> None:
+    return None
 
 
 def _resolve_optimizer(optimizer) -> keras.optimizers.Optimizer:

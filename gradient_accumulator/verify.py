@@ -17,6 +17,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from gradient_accumulator._keras_compat import all_layers
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.validation import check_accum_steps, check_positive_float
@@ -376,7 +377,7 @@ def _check_same_architecture(a: keras.Model, b: keras.Model) -> None:
 
 
 def _sublayers(layer: keras.layers.Layer) -> list[keras.layers.Layer]:
-    return layer._flatten_layers(include_self=True, recursive=True)
+    return all_layers(layer)
 
 
 def _own_causes(

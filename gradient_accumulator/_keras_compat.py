@@ -1,0 +1,104 @@
+"""Every private Keras / TensorFlow name this package relies on, in one place.
+
+Keras and TensorFlow do not promise to keep these. Each has a test in
+``tests/test_keras_compat.py``, so a release that moves or changes one fails
+there, by name, instead of somewhere inside a train step. An import that
+fails here names the installed Keras version and the tested range.
+"""
+
+from __future__ import annotations
+
+import keras
+
+TESTED_KERAS = ">=3.15"
+
+try:
+    from keras.src.layers.normalization.batch_normalization import (
+        _clone_initializer as clone_initializer,
+    )
+    from keras.src.losses.loss import apply_mask, unscale_loss_for_distribution
+    from keras.src.models.functional import Functional, functional_from_config
+    from keras.src.models.model import functional_init_arguments
+    from keras.src.saving.keras_saveable import KerasSaveable
+    from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
+except ImportError as error:  # pragma: no cover - depends on the Keras release
+    raise ImportError(
+        f"gradient_accumulator needs private Keras names that Keras "
+        f"{keras.__version__} does not have ({error}); it is tested with "
+        f"keras{TESTED_KERAS}."
+    ) from error
+
+__all__ = [
+    "GLOBAL_CUSTOM_NAMES",
+    "Functional",
+    "KerasSaveable",
+    "all_layers",
+    "apply_mask",
+    "call_has_training_arg",
+    "clone_initializer",
+    "distributed_container",
+    "flat_losses",
+    "functional_from_config",
+    "functional_init_arguments",
+    "loss_tracker",
+    "on_device_or_primary",
+    "set_all_reduce",
+    "track_variable",
+    "unscale_loss_for_distribution",
+]
+
+
+def distributed_container(variable):
+    """The ``tf.distribute`` variable a per-replica component belongs to
+    (``variable`` itself when it is not such a component)."""
+    container = getattr(variable, "_distributed_container", None)
+    return variable if container is None else container()
+
+
+def on_device_or_primary(variable):
+    """This replica's component of a distributed variable (scatter ops on a
+    replica-local variable need it)."""
+    return variable._get_on_device_or_primary()
+
+
+def track_variable(layer, variable) -> None:
+    """Adds ``variable`` to ``layer``'s own variables, also after Keras
+    locked the layer's tracker (it does once the layer is built)."""
+    tracker = layer._tracker
+    locked = tracker.locked
+    tracker.unlock()
+    layer._track_variable(variable)
+    if locked:
+        tracker.lock()
+
+
+def loss_tracker(model: keras.Model):
+    """The ``Mean`` metric behind the ``loss`` entry of ``fit``'s logs."""
+    return model._loss_tracker
+
+
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether ``model.call`` takes a ``training`` argument."""
+    return model._call_has_training_arg
+
+
+def flat_losses(model: keras.Model) -> list:
+    """The compiled loss terms, each with ``.loss`` and ``.path`` (the
+    output it applies to), or ``[]`` before compile or for a custom
+    ``compute_loss``."""
+    compiled = getattr(model, "_compile_loss", None)
+    return list(getattr(compiled, "_flat_losses", None) or [])
+
+
+def all_layers(layer) -> list:
+    """``layer`` and every layer nested in it (nested models included)."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
+
+def set_all_reduce(optimizer, function) -> None:
+    """Replaces (``function``) or restores (``None``) the per-instance hook
+    through which Keras' TensorFlow optimizer sums gradients over replicas."""
+    if function is None:
+        del optimizer._all_reduce_sum_gradients
+    else:
+        optimizer._all_reduce_sum_gradients = function
