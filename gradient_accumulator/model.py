@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -136,8 +137,7 @@ class GradientAccumulateModel(keras.Model):
         **kwargs,
     ):
         if _is_tensor_structure(accum_steps):
-            # keras.models.clone_model and Keras' functional revival pass
-            # (inputs, outputs) positionally.
+            # Keras' functional code may pass (inputs, outputs) positionally.
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
         check_accum_steps(accum_steps)
@@ -253,6 +253,18 @@ class GradientAccumulateModel(keras.Model):
         self._plan = None
         self._sync_state()
 
+    def _run_through_graph(self, *args, **kwargs):
+        # keras.models.clone_model runs the source's graph on new inputs and
+        # then builds the clone from (inputs, outputs) alone: leave the
+        # settings for that construction (a thread's latest run wins, and
+        # only a positional construction reads them).
+        if getattr(self, "_accumulator", None) is not None:  # not mid-__init__
+            _clone_source.settings = {
+                **self._settings(),
+                "skip_update_fn": self._accumulator.skip_update_fn,
+            }
+        return super()._run_through_graph(*args, **kwargs)
+
     def compile_from_config(self, config):
         # Keras skips compile() on loading a model whose class overrides it;
         # ours only adds to Keras' compile, so loading compiles as usual.
@@ -332,13 +344,8 @@ class GradientAccumulateModel(keras.Model):
                     )
                 return super().from_config(config, custom_objects=custom_objects)
             except TypeError as error:
-                # A subclass that sets a setting itself, e.g.
-                # ``super().__init__(accum_steps=4, **kwargs)``, receives the
-                # saved one a second time: its own value wins.
-                match = _DUPLICATE.search(str(error))
-                if match is None or match.group(1) not in config:
+                if not _drop_duplicate(error, config):
                     raise
-                config.pop(match.group(1))
 
     # ---------------------------------------------------------------- training
     def train_step(self, data):
@@ -641,6 +648,7 @@ class _PartialCycles(keras.callbacks.Callback):
 
 
 _functional_variants: dict[type, type] = {}
+_clone_source = threading.local()
 
 
 def _init_functional(model, init, args, kwargs) -> None:
@@ -652,7 +660,7 @@ def _init_functional(model, init, args, kwargs) -> None:
     the classes back, and give this instance a private class that derives from
     both the user's class and ``Functional``.
     """
-    cls = type(model)
+    cls = getattr(type(model), "_public_class", type(model))
     bases = {
         c: c.__bases__ for c in cls.__mro__ if issubclass(c, GradientAccumulateModel)
     }
@@ -663,15 +671,55 @@ def _init_functional(model, init, args, kwargs) -> None:
             if klass.__bases__ != original:
                 klass.__bases__ = original
     if cls not in _functional_variants:
+
+        def __init__(self, *args, **kwargs):
+            # Keras builds a functional model's clone as
+            # ``type(model)(inputs, outputs, name=...)``, right after running
+            # the source's graph (see _run_through_graph, which left the
+            # source's settings here). Keyword arguments serve a subclass
+            # whose own __init__ takes only those.
+            if args and _is_tensor_structure(args[0]):
+                kwargs.update(zip(("inputs", "outputs"), args))
+                args = args[2:]
+                kwargs = {**_clone_source.__dict__.pop("settings", {}), **kwargs}
+            _construct(functools.partial(cls.__init__, self, *args), kwargs)
+
         variant = type(
             cls.__name__,
             (cls, Functional),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__},
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__init__": __init__,
+                "_public_class": cls,
+            },
         )
         # Saved files must name the public class, which rebuilds the variant.
         GLOBAL_CUSTOM_NAMES[variant] = keras.saving.get_registered_name(cls)
         _functional_variants[cls] = variant
     model.__class__ = _functional_variants[cls]
+
+
+def _drop_duplicate(error: TypeError, kwargs: dict) -> bool:
+    """A subclass that sets a setting itself, e.g.
+    ``super().__init__(accum_steps=4, **kwargs)``, receives a saved or cloned
+    one a second time: drops that from ``kwargs`` (its own value wins).
+    Returns whether it did."""
+    match = _DUPLICATE.search(str(error))
+    if match is None or match.group(1) not in kwargs:
+        return False
+    kwargs.pop(match.group(1))
+    return True
+
+
+def _construct(init: Callable, kwargs: dict):
+    kwargs = dict(kwargs)
+    while True:
+        try:
+            return init(**kwargs)
+        except TypeError as error:
+            if not _drop_duplicate(error, kwargs):
+                raise
 
 
 class _Micro(NamedTuple):
