@@ -5,9 +5,15 @@ from __future__ import annotations
 import numbers
 import warnings
 
+# Largest accepted ``accum_steps``: the cycle counters are integer tensors,
+# and 2**31 - 1 fits every integer dtype they may use (int32 or int64), where
+# e.g. 2**63 does not even convert to a tensor.
+MAX_ACCUM_STEPS = 2**31 - 1
+
 
 def check_accum_steps(accum_steps, name: str = "accum_steps") -> int:
-    """Returns ``accum_steps`` as an ``int >= 1`` or raises a clear error."""
+    """Returns ``accum_steps`` as an ``int`` in ``[1, MAX_ACCUM_STEPS]`` or
+    raises a clear error."""
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
         raise TypeError(
             f"`{name}` must be an integer >= 1 (the number of micro-batches per "
@@ -18,6 +24,12 @@ def check_accum_steps(accum_steps, name: str = "accum_steps") -> int:
         raise ValueError(
             f"`{name}` must be an integer >= 1 (the number of micro-batches per "
             f"optimizer update). Received: {name}={accum_steps!r}."
+        )
+    if accum_steps > MAX_ACCUM_STEPS:
+        raise ValueError(
+            f"`{name}` must be at most {MAX_ACCUM_STEPS} (2**31 - 1, so that "
+            f"step counters fit in an integer tensor): accepted range is 1 to "
+            f"{MAX_ACCUM_STEPS}. Received: {name}={accum_steps!r}."
         )
     return int(accum_steps)
 
