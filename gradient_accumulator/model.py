@@ -23,6 +23,7 @@ from gradient_accumulator.validation import (
     check_bool,
     check_choice,
     check_micro_batch_size,
+    check_single_accumulation,
     warn_unneeded,
 )
 
@@ -176,6 +177,10 @@ class GradientAccumulateModel(keras.Model):
     def drop_partial_cycle(self) -> None:
         """Discards the micro-batches of the current, incomplete cycle."""
         self._accumulator.drop(self.distribute_strategy)
+
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        check_single_accumulation(optimizer, "GradientAccumulateModel")
+        super().compile(optimizer, *args, **kwargs)
 
     def fit(self, *args, **kwargs):
         # Keras' fit takes callbacks as its sixth positional argument.

@@ -95,3 +95,78 @@ def check_micro_batch_size(micro_batch_size) -> int | None:
             f"micro_batch_size={micro_batch_size!r}."
         )
     return int(micro_batch_size)
+
+
+CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _optimizer_chain(optimizer) -> list:
+    """``optimizer`` and the optimizers it wraps (``inner_optimizer``, as in
+    Keras' ``LossScaleOptimizer`` and ``GradientAccumulateOptimizer``)."""
+    chain = []
+    while optimizer is not None and not any(optimizer is o for o in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
+def _describe(optimizer) -> str:
+    return f"{type(optimizer).__name__} {getattr(optimizer, 'name', '')!r}"
+
+
+def check_clipping(inner, wrapper_args: dict) -> None:
+    """Rejects conflicting gradient clipping, as Keras' optimizers do.
+
+    ``wrapper_args`` are the clipping arguments given to the wrapper, which
+    sets them on ``inner``: together with those already set on ``inner`` (or
+    on an optimizer it wraps) at most one of ``clipnorm``, ``clipvalue`` and
+    ``global_clipnorm`` may be set, and an argument set on both must agree.
+    """
+    given = {k: v for k, v in wrapper_args.items() if v is not None}
+    found = {}  # argument -> (value, optimizer) set on the wrapped optimizers
+    for optimizer in _optimizer_chain(inner):
+        for key in CLIP_ARGS:
+            value = getattr(optimizer, key, None)
+            if value is not None and key not in found:
+                found[key] = (value, optimizer)
+    clashes = [k for k in given if k in found and found[k][0] != given[k]]
+    if len(set(given) | set(found)) <= 1 and not clashes:
+        return
+    on_wrapper = ", ".join(f"{k}={v!r}" for k, v in given.items()) or "none"
+    on_inner = (
+        ", ".join(f"{k}={v!r} (on {_describe(o)})" for k, (v, o) in found.items())
+        or "none"
+    )
+    raise ValueError(
+        "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, "
+        "once: the wrapper passes its clipping arguments to the wrapped "
+        "optimizer, which clips the accumulated gradient. Received: on "
+        f"GradientAccumulateOptimizer {on_wrapper}; on the wrapped optimizer "
+        f"{on_inner}."
+    )
+
+
+def check_single_accumulation(optimizer, wrapper: str) -> None:
+    """Rejects an optimizer that accumulates gradients itself (Keras'
+    ``gradient_accumulation_steps``) inside one of this package's wrappers,
+    which would accumulate twice. ``optimizer`` may also be what Keras'
+    ``compile`` accepts: a name (never accumulates) or a config dict."""
+    if isinstance(optimizer, dict):
+        import keras
+
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except (TypeError, ValueError):
+            return  # compile() reports a bad config itself
+    for inner in _optimizer_chain(optimizer):
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"{wrapper} cannot use an optimizer with Keras' own "
+                f"`gradient_accumulation_steps` ({_describe(inner)} has "
+                f"gradient_accumulation_steps={steps!r}): gradients would be "
+                "accumulated twice, giving one update per accum_steps * "
+                "gradient_accumulation_steps micro-batches. Leave "
+                "`gradient_accumulation_steps` unset and give the whole cycle "
+                "length as `accum_steps`."
+            )

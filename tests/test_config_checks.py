@@ -1,6 +1,7 @@
-"""Configurations that would train silently wrong fail at construction, with
-a message naming the arguments: an ``accum_steps`` too large for the step
-counters."""
+"""Configurations that would train silently wrong fail at construction (or
+``compile``), with a message naming the arguments: conflicting clipping,
+accumulation on top of Keras' own ``gradient_accumulation_steps``, and an
+``accum_steps`` too large for the step counters."""
 
 from __future__ import annotations
 
@@ -19,11 +20,146 @@ from gradient_accumulator import (
 from gradient_accumulator.validation import MAX_ACCUM_STEPS
 from tests import utils
 
+KERAS_CLIP_MESSAGE = "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"
+
 
 def _model(**kwargs) -> GradientAccumulateModel:
     keras.utils.set_random_seed(0)
     inputs, outputs = utils.mlp_layers()
     return GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
+
+
+# ---------------------------------------------------------------- clipping
+@pytest.mark.parametrize(
+    ("inner_kwargs", "wrapper_kwargs", "named"),
+    [
+        pytest.param(
+            {},
+            {"clipnorm": 1.0, "clipvalue": 0.5},
+            ["clipnorm=1.0", "clipvalue=0.5"],
+            id="two_on_wrapper",
+        ),
+        pytest.param(
+            {"clipnorm": 1.0},
+            {"global_clipnorm": 2.0},
+            ["global_clipnorm=2.0", "clipnorm=1.0 (on SGD"],
+            id="inner_clipnorm_wrapper_global",
+        ),
+        pytest.param(
+            {"clipvalue": 0.5},
+            {"clipnorm": 1.0},
+            ["clipnorm=1.0", "clipvalue=0.5 (on SGD"],
+            id="inner_clipvalue_wrapper_clipnorm",
+        ),
+        pytest.param(
+            {"clipnorm": 1.0},
+            {"clipnorm": 3.0},
+            ["clipnorm=3.0", "clipnorm=1.0 (on SGD"],
+            id="same_argument_two_values",
+        ),
+    ],
+)
+def test_conflicting_clipping_is_rejected(inner_kwargs, wrapper_kwargs, named):
+    inner = keras.optimizers.SGD(0.1, **inner_kwargs)
+    with pytest.raises(ValueError, match=re.escape(KERAS_CLIP_MESSAGE)) as error:
+        GradientAccumulateOptimizer(inner, 2, **wrapper_kwargs)
+    message = str(error.value)
+    for text in named:
+        assert text in message, message
+
+
+def test_clipping_inside_a_loss_scale_optimizer_counts():
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(clipvalue=0.5))
+    with pytest.raises(ValueError, match=re.escape("clipvalue=0.5")):
+        GradientAccumulateOptimizer(inner, 2, clipnorm=1.0)
+
+
+@pytest.mark.parametrize(
+    ("inner_kwargs", "wrapper_kwargs", "expected"),
+    [
+        pytest.param({}, {"clipnorm": 1.0}, ("clipnorm", 1.0), id="wrapper"),
+        pytest.param({"clipvalue": 0.5}, {}, ("clipvalue", 0.5), id="inner"),
+        pytest.param(
+            {"global_clipnorm": 2.0},
+            {"global_clipnorm": 2.0, "clipnorm": None},
+            ("global_clipnorm", 2.0),
+            id="same_on_both",
+        ),
+    ],
+)
+def test_single_clipping_is_accepted_and_round_trips(
+    inner_kwargs, wrapper_kwargs, expected
+):
+    """Guard: one clipping argument (given once, or equal on both) still works
+    and survives get_config/from_config, which re-runs the check."""
+    opt = GradientAccumulateOptimizer(
+        keras.optimizers.SGD(0.1, **inner_kwargs), 2, **wrapper_kwargs
+    )
+    key, value = expected
+    assert getattr(opt.inner_optimizer, key) == value
+    clone = GradientAccumulateOptimizer.from_config(opt.get_config())
+    assert getattr(clone.inner_optimizer, key) == value
+    others = [k for k in ("clipnorm", "clipvalue", "global_clipnorm") if k != key]
+    assert all(getattr(clone.inner_optimizer, k) is None for k in others)
+
+
+# ----------------------------------------------------- double accumulation
+def _keras_accumulating(steps: int = 2):
+    return keras.optimizers.Adam(1e-3, gradient_accumulation_steps=steps)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [
+        pytest.param(_keras_accumulating, id="plain"),
+        pytest.param(
+            lambda: keras.optimizers.LossScaleOptimizer(_keras_accumulating()),
+            id="in_loss_scale_optimizer",
+        ),
+    ],
+)
+def test_optimizer_wrapper_rejects_keras_accumulation(inner):
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps`") as error:
+        GradientAccumulateOptimizer(inner(), accum_steps=4)
+    assert "gradient_accumulation_steps=2" in str(error.value)
+    assert "accumulated twice" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param(_keras_accumulating, id="instance"),
+        pytest.param(
+            lambda: keras.optimizers.serialize(_keras_accumulating(3)), id="config"
+        ),
+    ],
+)
+def test_model_compile_rejects_keras_accumulation(optimizer):
+    model = _model(accum_steps=4)
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps`") as error:
+        model.compile(optimizer=optimizer(), loss="mse")
+    assert "GradientAccumulateModel" in str(error.value)
+    # Positional form too.
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps`"):
+        _model(accum_steps=4).compile(optimizer(), "mse")
+
+
+def test_model_compile_still_accepts_plain_optimizers():
+    """Guard: names, instances, configs and our optimizer wrapper compile and
+    train (one update per 4 micro-batches, so Keras does not accumulate too)."""
+    x, y = utils.classification_data(n=32)
+    for optimizer in (
+        "adam",
+        keras.optimizers.SGD(0.1),
+        keras.optimizers.serialize(keras.optimizers.Adam(1e-3)),
+    ):
+        model = _model(accum_steps=4)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        model.fit(x, y, batch_size=8, verbose=0)
+        assert int(model.optimizer.iterations) == 1
 
 
 # ------------------------------------------------------ accum_steps bound
