@@ -24,6 +24,7 @@ from gradient_accumulator.validation import (
     check_choice,
     check_micro_batch_size,
     check_single_accumulation,
+    take_05_keywords,
     warn_unneeded,
 )
 
@@ -107,6 +108,7 @@ class GradientAccumulateModel(keras.Model):
         **kwargs,
     ):
         check_accum_steps(accum_steps)
+        use_agc = take_05_keywords(kwargs, use_agc)
         micro_batch_size = check_micro_batch_size(micro_batch_size)
         self._partial_cycle = check_choice(
             "partial_cycle", partial_cycle, PARTIAL_CYCLE

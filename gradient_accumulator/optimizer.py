@@ -20,6 +20,7 @@ from gradient_accumulator.validation import (
     check_accum_steps,
     check_clipping,
     check_single_accumulation,
+    take_05_keywords,
     warn_unneeded,
 )
 
@@ -105,6 +106,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             False,
             "loss scaling is detected from the optimizer.",
         )
+        use_agc = take_05_keywords(kwargs, use_agc, dtype=True)
         clip_args = {k: kwargs.pop(k) for k in _CLIP_ARGS if k in kwargs}
         check_clipping(inner, clip_args)
         if kwargs:

@@ -75,6 +75,38 @@ def warn_unneeded(name: str, value, default, why: str) -> None:
         )
 
 
+def take_05_keywords(kwargs: dict, use_agc, *, dtype: bool = False):
+    """Takes the 0.5.x-only keywords out of ``kwargs`` and returns ``use_agc``.
+
+    ``agc`` is 0.5.x's name of ``use_agc`` (its optimizer wrapper's, and its
+    README's for the model); Keras would otherwise ignore it silently. With
+    ``dtype=True`` (the optimizer wrapper) 0.5.x's ``dtype`` is accepted and
+    ignored: accumulation buffers are always float32.
+    """
+    if "agc" in kwargs:
+        agc = check_bool("agc", kwargs.pop("agc"))
+        if use_agc and not agc:
+            raise ValueError(
+                "`agc` is 0.5.x's name of `use_agc`; give one of them. Received: "
+                f"use_agc={use_agc!r}, agc={agc!r}."
+            )
+        warnings.warn(
+            "`agc` is 0.5.x's name of `use_agc`: write `use_agc=...`.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        use_agc = use_agc or agc
+    if dtype and "dtype" in kwargs:
+        kwargs.pop("dtype")
+        warnings.warn(
+            "`dtype` is no longer needed and is ignored: accumulation buffers "
+            "are float32.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return use_agc
+
+
 def check_micro_batch_size(micro_batch_size) -> int | None:
     """Returns ``micro_batch_size`` as ``None`` or an ``int >= 1``, or raises."""
     if micro_batch_size is None:

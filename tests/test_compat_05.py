@@ -21,6 +21,7 @@ import pytest
 import tensorflow as tf
 
 import gradient_accumulator
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests.processes import describe, run_script
 
 # 0.5.2 module -> names it exported.
@@ -173,3 +174,51 @@ def test_052_batchnorm_swap_call_form_runs():
     assert len(swapped) == 1 and swapped[0].accum_steps == 2
     x = np.random.default_rng(1).normal(size=(5, 4)).astype("float32")
     np.testing.assert_allclose(new.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+# ------------------------------------------------------ 0.5.x call forms
+def _mlp():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    return inputs, keras.layers.Dense(2)(keras.layers.Dense(3)(inputs))
+
+
+def test_agc_keyword_of_052_turns_agc_on_with_a_warning():
+    """0.5.x's optimizer wrapper took ``agc=True`` (and its README shows it for
+    the model); Keras would ignore it silently on the model."""
+    inputs, outputs = _mlp()
+    with pytest.warns(DeprecationWarning, match="use_agc"):
+        model = GradientAccumulateModel(
+            accum_steps=4, agc=True, inputs=inputs, outputs=outputs
+        )
+    assert model.get_config()["use_agc"] is True
+    with pytest.warns(DeprecationWarning, match="use_agc"):
+        opt = GradientAccumulateOptimizer(keras.optimizers.SGD(), 4, agc=True)
+    assert opt.get_config()["use_agc"] is True
+    # Guard: without it AGC stays off, and contradicting values are refused.
+    assert GradientAccumulateOptimizer("sgd", 4).get_config()["use_agc"] is False
+    with pytest.raises(ValueError, match="use_agc"):
+        GradientAccumulateOptimizer("sgd", 4, use_agc=True, agc=False)
+
+
+def test_dtype_keyword_of_052_optimizer_is_accepted_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="dtype"):
+        opt = GradientAccumulateOptimizer(
+            optimizer="SGD", accum_steps=2, reduction="MEAN", dtype=tf.float32
+        )
+    assert opt.accum_steps == 2
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [keras.layers.BatchNormalization, gradient_accumulator.AccumBatchNormalization],
+)
+def test_one_batchnorm_instance_serves_one_input_rank(layer):
+    """As docs/migration.md says: like Keras' layer, an instance called on a
+    rank-4 input refuses a rank-2 one (0.5.x's conv tests reused one), but
+    takes other spatial sizes of the same rank."""
+    bn = layer()
+    bn(np.ones((2, 5, 5, 4), "float32"))
+    assert bn(np.ones((2, 7, 7, 4), "float32")).shape == (2, 7, 7, 4)
+    with pytest.raises(ValueError, match="expected ndim=4, found ndim=2"):
+        bn(np.ones((2, 4), "float32"))
