@@ -181,6 +181,8 @@ class GradientAccumulateModel(keras.Model):
         self._accumulator.drop(self.distribute_strategy)
 
     def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """Keras' ``compile``; refuses an optimizer with Keras' own
+        ``gradient_accumulation_steps`` (it would accumulate twice)."""
         check_single_accumulation(optimizer, "GradientAccumulateModel")
         super().compile(optimizer, *args, **kwargs)
 
