@@ -186,6 +186,14 @@ class GradientAccumulateModel(keras.Model):
         check_single_accumulation(optimizer, "GradientAccumulateModel")
         super().compile(optimizer, *args, **kwargs)
 
+    def compile_from_config(self, config):
+        # Keras' own skips compile() when a model overrides it (ours only
+        # validates), so loading would leave the model uncompiled: do what
+        # Keras does for models that don't.
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def fit(self, *args, **kwargs):
         # Keras' fit takes callbacks as its sixth positional argument.
         args = list(args)
