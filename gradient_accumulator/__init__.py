@@ -3,7 +3,7 @@
 from gradient_accumulator import _backend  # noqa: F401  (fails on other backends)
 from gradient_accumulator._version import __version__
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.agc import adaptive_clip_grad, unitwise_norm
+from gradient_accumulator.agc import adaptive_clip_grad, compute_norm, unitwise_norm
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.callbacks import AccumulationScheduler, FlushPartialCycle
 from gradient_accumulator.convert import replace_batchnorm_layers
@@ -23,6 +23,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "adaptive_clip_grad",
+    "compute_norm",
     "replace_batchnorm_layers",
     "unitwise_norm",
     "verify",

@@ -16,6 +16,20 @@ import tensorflow as tf
 _MIN_GRAD_NORM = 1e-6
 
 
+def compute_norm(x: tf.Tensor, axis=None, keepdims: bool = False) -> tf.Tensor:
+    """Euclidean (L2) norm of ``x`` over ``axis`` (all axes when ``None``),
+    keeping the reduced axes as size 1 when ``keepdims``; the helper
+    gradient-accumulator 0.5.x exported from ``gradient_accumulator.agc``.
+
+    >>> import tensorflow as tf
+    >>> x = tf.constant([[3.0, 0.0], [4.0, 1.0]])
+    >>> [float(v) for v in compute_norm(x, axis=0, keepdims=False)]
+    [5.0, 1.0]
+    """
+    x = tf.convert_to_tensor(x)
+    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=keepdims))
+
+
 def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
     """L2 norm per unit, as in the NFNets reference code: the whole tensor for
     scalars and vectors, axis 0 for dense (and multi-head dense) kernels, all
@@ -25,9 +39,9 @@ def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
     if rank is None:
         raise ValueError("unitwise_norm needs a tensor of known rank.")
     if rank <= 1:
-        return tf.sqrt(tf.reduce_sum(tf.square(x)))
+        return compute_norm(x)
     axis = [0] if rank in (2, 3) else list(range(rank - 1))
-    return tf.sqrt(tf.reduce_sum(tf.square(x), axis=axis, keepdims=True))
+    return compute_norm(x, axis=axis, keepdims=True)
 
 
 def adaptive_clip_grad(

@@ -34,6 +34,8 @@ from gradient_accumulator.validation import (
     check_bool,
     check_choice,
     check_micro_batch_size,
+    check_single_accumulation,
+    take_05_keywords,
     warn_unneeded,
 )
 
@@ -141,6 +143,7 @@ class GradientAccumulateModel(keras.Model):
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
         check_accum_steps(accum_steps)
+        use_agc = take_05_keywords(kwargs, use_agc)
         micro_batch_size = check_micro_batch_size(micro_batch_size)
         self._partial_cycle = check_choice(
             "partial_cycle", partial_cycle, PARTIAL_CYCLE
@@ -245,8 +248,13 @@ class GradientAccumulateModel(keras.Model):
             kwargs["callbacks"] = callbacks
         return super().fit(*args, **kwargs)
 
-    def compile(self, *args, **kwargs):
-        super().compile(*args, **kwargs)
+    def compile(self, optimizer="rmsprop", *args, **kwargs):
+        """Keras' ``compile``. Refuses an optimizer with Keras' own
+        ``gradient_accumulation_steps`` (it would accumulate twice), and
+        rebuilds the accumulation state if the trainable variables changed
+        (a pending partial cycle is then dropped, with a warning)."""
+        check_single_accumulation(optimizer, "GradientAccumulateModel")
+        super().compile(optimizer, *args, **kwargs)
         # Nothing traced for the last compile (flush functions, the plan)
         # survives it; the state follows the trainable variables of now.
         self._accumulator.unwire()
@@ -269,7 +277,7 @@ class GradientAccumulateModel(keras.Model):
         # Keras skips compile() on loading a model whose class overrides it;
         # ours only adds to Keras' compile, so loading compiles as usual.
         self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.built:
+        if getattr(self, "optimizer", None) is not None and self.built:
             self.optimizer.build(self.trainable_variables)
 
     def make_train_function(self, force=False):

@@ -18,7 +18,13 @@ from gradient_accumulator.loss_scale import (
     scale_hooks,
     scaler_of,
 )
-from gradient_accumulator.validation import check_accum_steps, warn_unneeded
+from gradient_accumulator.validation import (
+    check_accum_steps,
+    check_clipping,
+    check_single_accumulation,
+    take_05_keywords,
+    warn_unneeded,
+)
 
 _REDUCTIONS = ("MEAN", "SUM")
 _CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
@@ -90,6 +96,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     ):
         check_accum_steps(accum_steps)
         inner = _resolve_optimizer(optimizer)
+        check_single_accumulation(inner, "GradientAccumulateOptimizer")
         if not isinstance(reduction, str) or reduction.upper() not in _REDUCTIONS:
             raise ValueError(
                 f"`reduction` must be one of {_REDUCTIONS}. "
@@ -101,7 +108,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             False,
             "loss scaling is detected from the optimizer.",
         )
+        use_agc = take_05_keywords(kwargs, use_agc, dtype=True)
         clip_args = {k: kwargs.pop(k) for k in _CLIP_ARGS if k in kwargs}
+        check_clipping(inner, clip_args)
         if kwargs:
             raise TypeError(
                 "GradientAccumulateOptimizer got unexpected keyword argument(s) "

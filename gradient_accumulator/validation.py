@@ -5,9 +5,15 @@ from __future__ import annotations
 import numbers
 import warnings
 
+# Largest accepted ``accum_steps``: the cycle counters are integer tensors,
+# and 2**31 - 1 fits every integer dtype they may use (int32 or int64), where
+# e.g. 2**63 does not even convert to a tensor.
+MAX_ACCUM_STEPS = 2**31 - 1
+
 
 def check_accum_steps(accum_steps, name: str = "accum_steps") -> int:
-    """Returns ``accum_steps`` as an ``int >= 1`` or raises a clear error."""
+    """Returns ``accum_steps`` as an ``int`` in ``[1, MAX_ACCUM_STEPS]`` or
+    raises a clear error."""
     if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
         raise TypeError(
             f"`{name}` must be an integer >= 1 (the number of micro-batches per "
@@ -18,6 +24,12 @@ def check_accum_steps(accum_steps, name: str = "accum_steps") -> int:
         raise ValueError(
             f"`{name}` must be an integer >= 1 (the number of micro-batches per "
             f"optimizer update). Received: {name}={accum_steps!r}."
+        )
+    if accum_steps > MAX_ACCUM_STEPS:
+        raise ValueError(
+            f"`{name}` must be at most {MAX_ACCUM_STEPS} (2**31 - 1, so that "
+            f"step counters fit in an integer tensor): accepted range is 1 to "
+            f"{MAX_ACCUM_STEPS}. Received: {name}={accum_steps!r}."
         )
     return int(accum_steps)
 
@@ -63,6 +75,38 @@ def warn_unneeded(name: str, value, default, why: str) -> None:
         )
 
 
+def take_05_keywords(kwargs: dict, use_agc, *, dtype: bool = False):
+    """Takes the 0.5.x-only keywords out of ``kwargs`` and returns ``use_agc``.
+
+    ``agc`` is 0.5.x's name of ``use_agc`` (its optimizer wrapper's, and its
+    README's for the model); Keras would otherwise ignore it silently. With
+    ``dtype=True`` (the optimizer wrapper) 0.5.x's ``dtype`` is accepted and
+    ignored: accumulation buffers are always float32.
+    """
+    if "agc" in kwargs:
+        agc = check_bool("agc", kwargs.pop("agc"))
+        if use_agc and not agc:
+            raise ValueError(
+                "`agc` is 0.5.x's name of `use_agc`; give one of them. Received: "
+                f"use_agc={use_agc!r}, agc={agc!r}."
+            )
+        warnings.warn(
+            "`agc` is 0.5.x's name of `use_agc`: write `use_agc=...`.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        use_agc = use_agc or agc
+    if dtype and "dtype" in kwargs:
+        kwargs.pop("dtype")
+        warnings.warn(
+            "`dtype` is no longer needed and is ignored: accumulation buffers "
+            "are float32.",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    return use_agc
+
+
 def check_micro_batch_size(micro_batch_size) -> int | None:
     """Returns ``micro_batch_size`` as ``None`` or an ``int >= 1``, or raises."""
     if micro_batch_size is None:
@@ -83,3 +127,78 @@ def check_micro_batch_size(micro_batch_size) -> int | None:
             f"micro_batch_size={micro_batch_size!r}."
         )
     return int(micro_batch_size)
+
+
+CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
+def _optimizer_chain(optimizer) -> list:
+    """``optimizer`` and the optimizers it wraps (``inner_optimizer``, as in
+    Keras' ``LossScaleOptimizer`` and ``GradientAccumulateOptimizer``)."""
+    chain = []
+    while optimizer is not None and not any(optimizer is o for o in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return chain
+
+
+def _describe(optimizer) -> str:
+    return f"{type(optimizer).__name__} {getattr(optimizer, 'name', '')!r}"
+
+
+def check_clipping(inner, wrapper_args: dict) -> None:
+    """Rejects conflicting gradient clipping, as Keras' optimizers do.
+
+    ``wrapper_args`` are the clipping arguments given to the wrapper, which
+    sets them on ``inner``: together with those already set on ``inner`` (or
+    on an optimizer it wraps) at most one of ``clipnorm``, ``clipvalue`` and
+    ``global_clipnorm`` may be set, and an argument set on both must agree.
+    """
+    given = {k: v for k, v in wrapper_args.items() if v is not None}
+    found = {}  # argument -> (value, optimizer) set on the wrapped optimizers
+    for optimizer in _optimizer_chain(inner):
+        for key in CLIP_ARGS:
+            value = getattr(optimizer, key, None)
+            if value is not None and key not in found:
+                found[key] = (value, optimizer)
+    clashes = [k for k in given if k in found and found[k][0] != given[k]]
+    if len(set(given) | set(found)) <= 1 and not clashes:
+        return
+    on_wrapper = ", ".join(f"{k}={v!r}" for k, v in given.items()) or "none"
+    on_inner = (
+        ", ".join(f"{k}={v!r} (on {_describe(o)})" for k, (v, o) in found.items())
+        or "none"
+    )
+    raise ValueError(
+        "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set, "
+        "once: the wrapper passes its clipping arguments to the wrapped "
+        "optimizer, which clips the accumulated gradient. Received: on "
+        f"GradientAccumulateOptimizer {on_wrapper}; on the wrapped optimizer "
+        f"{on_inner}."
+    )
+
+
+def check_single_accumulation(optimizer, wrapper: str) -> None:
+    """Rejects an optimizer that accumulates gradients itself (Keras'
+    ``gradient_accumulation_steps``) inside one of this package's wrappers,
+    which would accumulate twice. ``optimizer`` may also be what Keras'
+    ``compile`` accepts: a name (never accumulates) or a config dict."""
+    if isinstance(optimizer, dict):
+        import keras
+
+        try:
+            optimizer = keras.optimizers.get(optimizer)
+        except (TypeError, ValueError):
+            return  # compile() reports a bad config itself
+    for inner in _optimizer_chain(optimizer):
+        steps = getattr(inner, "gradient_accumulation_steps", None)
+        if steps:
+            raise ValueError(
+                f"{wrapper} cannot use an optimizer with Keras' own "
+                f"`gradient_accumulation_steps` ({_describe(inner)} has "
+                f"gradient_accumulation_steps={steps!r}): gradients would be "
+                "accumulated twice, giving one update per accum_steps * "
+                "gradient_accumulation_steps micro-batches. Leave "
+                "`gradient_accumulation_steps` unset and give the whole cycle "
+                "length as `accum_steps`."
+            )

@@ -1,0 +1,27 @@
+"""Deprecated 0.5.x import path: use ``from gradient_accumulator import
+GradientAccumulateModel, GradientAccumulateOptimizer`` (defined in
+``gradient_accumulator.model`` and ``gradient_accumulator.optimizer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import tensorflow as tf
+
+from gradient_accumulator._compat import warn_moved
+from gradient_accumulator.model import GradientAccumulateModel
+from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+
+warn_moved(
+    __name__,
+    "gradient_accumulator (gradient_accumulator.model, gradient_accumulator.optimizer)",
+)
+
+__all__ = ["GradientAccumulateModel", "GradientAccumulateOptimizer", "get_gradients"]
+
+
+def get_gradients(gradients: Iterable[tf.Variable]) -> list[tf.Tensor]:
+    """The current values of the non-empty variables in ``gradients`` (0.5.x's
+    helper for reading accumulation buffers), in order; variables with no
+    elements are left out."""
+    return [g.read_value() for g in gradients if g.shape.num_elements() != 0]
