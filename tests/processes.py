@@ -11,10 +11,16 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 
 
-def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root, on the CPU, bounded in time
-    (``subprocess.run`` kills the child when the timeout expires). The child
-    imports this checkout's package and ``tests``."""
+def run_script(
+    *args: str,
+    timeout: float = TIMEOUT,
+    cwd: str | Path = REPO,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
+    """``python *args`` from ``cwd`` (the repository root unless told), on the
+    CPU, bounded in time (``subprocess.run`` kills the child when the timeout
+    expires), with ``input`` on its stdin. The child imports this checkout's
+    package and ``tests``."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {
         **os.environ,
@@ -24,8 +30,9 @@ def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProc
     }
     return subprocess.run(
         [sys.executable, *args],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
+        input=input,
         capture_output=True,
         text=True,
         timeout=timeout,
