@@ -46,3 +46,10 @@ def describe(result: subprocess.CompletedProcess) -> str:
         f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
         f"\n--- stderr ---\n{result.stderr[-4000:]}"
     )
+
+
+def verdict(result: subprocess.CompletedProcess) -> str:
+    """The last line an example printed: ``OK: <what it showed>`` or
+    ``FAIL: <what did not hold>``."""
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
