@@ -39,7 +39,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["CUDA_VISIBLE_DEVICES"] = "-1"  # a CPU measurement, by design
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 # TensorFlow's default CPU allocator (with oneDNN) keeps statistics only for
@@ -49,6 +48,48 @@ os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "1")
 
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="training epochs")
+    parser.add_argument(
+        "--micro-batch", type=int, default=16, help="samples per micro-batch"
+    )
+    parser.add_argument(
+        "--accum-steps", type=int, default=4, help="micro-batches per update"
+    )
+    parser.add_argument("--quick", action="store_true", help="1 epoch: a smoke test")
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write loss-per-update and peak-memory PNGs into DIR (needs matplotlib)",
+    )
+    args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(
+                "--plot needs matplotlib: pip install matplotlib "
+                '(or pip install -e ".[examples]")'
+            )
+    if args.quick:
+        args.epochs = 1
+    if min(args.epochs, args.micro_batch, args.accum_steps) < 1:
+        parser.error("--epochs, --micro-batch and --accum-steps must be >= 1")
+    return args
+
+
+if __name__ == "__main__":
+    parse_args()  # --help and bad options answer here, before TensorFlow loads
+
+from gradient_accumulator._quiet import quiet_tensorflow
+
+quiet_tensorflow()  # this script's run only: no TensorFlow start-up lines
 
 import keras
 import numpy as np
@@ -316,33 +357,6 @@ def write_plots(
     fig.savefig(paths[1], dpi=100)
     plt.close(fig)
     return paths
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--accum-steps", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="1 epoch: a smoke test")
-    parser.add_argument(
-        "--plot",
-        metavar="DIR",
-        help="write loss-per-update and peak-memory PNGs into DIR (needs matplotlib)",
-    )
-    args = parser.parse_args(argv)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error(
-                "--plot needs matplotlib: pip install matplotlib "
-                '(or pip install -e ".[examples]")'
-            )
-    if args.quick:
-        args.epochs = 1
-    if min(args.epochs, args.micro_batch, args.accum_steps) < 1:
-        parser.error("--epochs, --micro-batch and --accum-steps must be >= 1")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,18 +27,23 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 WORKERS = 2
 MICRO = 8  # per-replica micro-batch
 K = 4  # accumulation steps
+TOLERANCE = 1e-4  # float32 round-off is ~1e-7
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="one short epoch")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds to wait for the workers"
+    )
     parser.add_argument(
         "--worker",
         action="store_true",
@@ -90,9 +95,13 @@ def launch(args) -> int:
             try:
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                print(f"a worker timed out after {args.timeout:.0f} s", file=sys.stderr)
+                print(f"FAIL: a worker timed out after {args.timeout:.0f} s.")
                 return 1
-        return 0 if all(p.returncode == 0 for p in procs) else 1
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            print(f"FAIL: the workers exited with codes {codes}.")
+            return 1
+        return 0  # worker 0 printed the verdict
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -122,7 +131,12 @@ def train_under(strategy, model, dataset, epochs: int) -> None:
             step(batch)
 
 
-def worker(args) -> None:
+def worker(args) -> bool:
+    """Trains one worker's share; worker 0 compares and prints the verdict.
+    Returns False if the accumulated weights differ from the big batch's."""
+    from gradient_accumulator._quiet import quiet_tensorflow
+
+    quiet_tensorflow()  # this script's run only: no TensorFlow start-up lines
     import keras
     import numpy as np
     import tensorflow as tf
@@ -165,7 +179,7 @@ def worker(args) -> None:
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     if task["index"] != 0:
-        return
+        return True
     reference = build(keras.Model)  # one device, the global big batch
     reference.fit(x, y, batch_size=big, epochs=epochs, shuffle=False, verbose=0)
     diff = max(
@@ -177,7 +191,19 @@ def worker(args) -> None:
         f"= global batch {big}; {epochs} epoch(s) of {n} samples in {seconds:.1f} s"
     )
     print(f"optimizer updates: {int(model.optimizer.iterations.numpy())}")
-    print(f"max |w_accum - w_bigbatch| = {diff:.3g}", flush=True)
+    print(f"max |w_accum - w_bigbatch| = {diff:.3g}")
+    ok = diff <= TOLERANCE
+    if ok:
+        print(
+            f"OK: accumulation under MultiWorkerMirroredStrategy ({replicas} "
+            "workers) reproduced one-device big-batch training."
+        )
+    else:
+        print(
+            f"FAIL: accumulation under MultiWorkerMirroredStrategy differs from "
+            f"one-device big-batch training by more than {TOLERANCE:g}."
+        )
+    return ok
 
 
 def main(argv=None) -> int:
@@ -187,12 +213,12 @@ def main(argv=None) -> int:
     if "TF_CONFIG" not in os.environ:
         print("--worker needs TF_CONFIG (see docs/distributed.md)", file=sys.stderr)
         return 2
-    worker(args)
+    ok = worker(args)
     sys.stdout.flush()
     sys.stderr.flush()
     # TensorFlow's collective runtime can abort in its destructors at exit,
     # after everything is done; skip the teardown.
-    os._exit(0)
+    os._exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

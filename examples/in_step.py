@@ -26,12 +26,34 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 # Run from a checkout without installing the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=10, help="training epochs")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="fit's batch: one update each"
+    )
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=16, help="samples per slice"
+    )
+    parser.add_argument("--quick", action="store_true", help="1 epoch")
+    return parser
+
+
+if __name__ == "__main__":
+    build_parser().parse_args()  # --help answers here, before TensorFlow loads
+
+from gradient_accumulator._quiet import quiet_tensorflow
+
+quiet_tensorflow()  # this script's run only: no TensorFlow start-up lines
 
 import keras
 import numpy as np
@@ -64,12 +86,7 @@ def train(model: keras.Model, x, y, batch_size: int, epochs: int) -> keras.Model
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="1 epoch")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.quick:
         args.epochs = 1
     tf.config.experimental.enable_op_determinism()

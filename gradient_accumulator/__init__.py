@@ -1,15 +1,39 @@
-"""Exact gradient accumulation for TensorFlow / Keras 3."""
+"""Exact gradient accumulation for TensorFlow / Keras 3.
 
-from gradient_accumulator import _backend  # noqa: F401  (fails on other backends)
+The public names are loaded on first use (PEP 562 module ``__getattr__``):
+``import gradient_accumulator`` alone does not import TensorFlow, so the
+``gradient-accumulator`` command answers ``--help`` and ``--version`` at once.
+``from gradient_accumulator import GradientAccumulateModel`` and
+``gradient_accumulator.verify(...)`` work as with eager imports; the first
+such access imports every public name (and TensorFlow).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
 from gradient_accumulator._version import __version__
-from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.agc import adaptive_clip_grad, compute_norm, unitwise_norm
-from gradient_accumulator.batch_norm import AccumBatchNormalization
-from gradient_accumulator.callbacks import AccumulationScheduler, FlushPartialCycle
-from gradient_accumulator.convert import replace_batchnorm_layers
-from gradient_accumulator.model import GradientAccumulateModel
-from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-from gradient_accumulator.verify import LayerCheck, VariableCheck, VerifyReport, verify
+
+# Public name -> the submodule that defines it.
+_EXPORTS = {
+    "AccumBatchNormalization": "batch_norm",
+    "AccumulationScheduler": "callbacks",
+    "Accumulator": "accumulator",
+    "FlushPartialCycle": "callbacks",
+    "GradientAccumulateModel": "model",
+    "GradientAccumulateOptimizer": "optimizer",
+    "LayerCheck": "verify",
+    "VariableCheck": "verify",
+    "VerifyReport": "verify",
+    "adaptive_clip_grad": "agc",
+    "compute_norm": "agc",
+    "replace_batchnorm_layers": "convert",
+    "unitwise_norm": "agc",
+    "verify": "verify",
+}
 
 __all__ = [
     "AccumBatchNormalization",
@@ -28,3 +52,51 @@ __all__ = [
     "unitwise_norm",
     "verify",
 ]
+
+
+def _load() -> None:
+    """Imports every public name into this module (once)."""
+    importlib.import_module(f"{__name__}._backend")  # fails on other backends
+    modules = {
+        m: importlib.import_module(f"{__name__}.{m}") for m in set(_EXPORTS.values())
+    }
+    namespace = globals()
+    for name, module in _EXPORTS.items():
+        namespace[name] = getattr(modules[module], name)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """Keeps each public name bound to its function or class: importing the
+    submodule ``gradient_accumulator.verify`` makes the import system bind
+    the name ``verify`` on the package to that submodule, which would hide
+    the function ``verify`` (the eager ``from ... import verify`` used to
+    overwrite it)."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+# Fail at import, as before, when another backend is known already: Keras is
+# loaded (an exact check, and cheap then) or KERAS_BACKEND names another one.
+# Otherwise the check runs when the first public name is used.
+if (
+    "keras" in sys.modules
+    or os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"
+):
+    importlib.import_module(f"{__name__}._backend")

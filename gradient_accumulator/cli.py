@@ -4,6 +4,10 @@
 demo's small CNN (``examples/digits_demo.py``) and scikit-learn's bundled
 digits (1797 8x8 images; nothing is downloaded), prints the per-layer table and
 exits 0 if accumulation reproduced big-batch training, 1 if not.
+
+``--help`` and ``--version`` answer without importing TensorFlow: this module
+imports it only inside the command that trains, and the package's
+``__init__`` loads its public names on first use.
 """
 
 from __future__ import annotations
@@ -121,6 +125,9 @@ def run_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from gradient_accumulator._quiet import quiet_tensorflow
+
+    quiet_tensorflow()  # this command's own run: no TensorFlow start-up lines
     import keras
     import tensorflow as tf
 

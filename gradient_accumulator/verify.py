@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._keras_compat import all_layers
+from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 from gradient_accumulator.validation import check_accum_steps, check_positive_float
@@ -26,7 +27,17 @@ __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
 
 _BATCH_NORM = (
     "the forward pass normalises with each micro-batch's "
-    "statistics, and the moving statistics update once per micro-batch"
+    "statistics, and the moving statistics update once per micro-batch.\n"
+    "    Fix: use gradient_accumulator.AccumBatchNormalization in its place\n"
+    "    (replace_batchnorm_layers(model) converts a model): it updates the\n"
+    "    moving statistics once per update, with the big batch's. Training\n"
+    "    still normalises per micro-batch (docs/batch-norm.md); for exact\n"
+    "    gradients use LayerNormalization or GroupNormalization."
+)
+_ACCUM_BATCH_NORM = (
+    "the forward pass normalises with each micro-batch's statistics "
+    "(AccumBatchNormalization makes the moving statistics the big batch's, not "
+    "the gradients); LayerNormalization or GroupNormalization are exact"
 )
 _RANDOM = "randomness: it draws random numbers per call, so one big batch and {k} "
 _RANDOM += "micro-batches draw different ones"
@@ -387,7 +398,9 @@ def _own_causes(
     causes = []
     for sub in _sublayers(layer):
         prefix = "" if sub is layer else f"nested {sub.name} ({type(sub).__name__}): "
-        if isinstance(sub, keras.layers.BatchNormalization):
+        if isinstance(sub, AccumBatchNormalization):
+            causes.append(prefix + _ACCUM_BATCH_NORM)
+        elif isinstance(sub, keras.layers.BatchNormalization):
             causes.append(prefix + _BATCH_NORM)
         elif getattr(sub, "_seed_generators", None):
             causes.append(prefix + _RANDOM.format(k=accum_steps))
@@ -412,9 +425,10 @@ def _report(
     for layer, other, start in zip(reference.layers, accumulated.layers, initial):
         variables = []
         for var, w0, w_acc in zip(layer.weights, start, other.get_weights()):
-            w_big = np.asarray(var)
-            change = _max_abs(w_big - w0)
-            diff = _max_abs(w_acc - w_big)
+            # float64: AccumBatchNormalization also holds a boolean flag.
+            w_big = np.asarray(var, dtype=np.float64)
+            change = _max_abs(w_big - np.asarray(w0, dtype=np.float64))
+            diff = _max_abs(np.asarray(w_acc, dtype=np.float64) - w_big)
             if var.trainable:
                 moved = max(moved, change)
             elif change > 0:

@@ -11,10 +11,16 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 
 
-def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root, on the CPU, bounded in time
-    (``subprocess.run`` kills the child when the timeout expires). The child
-    imports this checkout's package and ``tests``."""
+def run_script(
+    *args: str,
+    timeout: float = TIMEOUT,
+    cwd: str | Path = REPO,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
+    """``python *args`` from ``cwd`` (the repository root unless told), on the
+    CPU, bounded in time (``subprocess.run`` kills the child when the timeout
+    expires), with ``input`` on its stdin. The child imports this checkout's
+    package and ``tests``."""
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {
         **os.environ,
@@ -24,8 +30,9 @@ def run_script(*args: str, timeout: float = TIMEOUT) -> subprocess.CompletedProc
     }
     return subprocess.run(
         [sys.executable, *args],
-        cwd=REPO,
+        cwd=cwd,
         env=env,
+        input=input,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -39,3 +46,10 @@ def describe(result: subprocess.CompletedProcess) -> str:
         f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-4000:]}"
         f"\n--- stderr ---\n{result.stderr[-4000:]}"
     )
+
+
+def verdict(result: subprocess.CompletedProcess) -> str:
+    """The last line an example printed: ``OK: <what it showed>`` or
+    ``FAIL: <what did not hold>``."""
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    return lines[-1] if lines else ""

@@ -23,7 +23,7 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     replace_batchnorm_layers,
 )
-from tests.processes import REPO, describe, run_script
+from tests.processes import REPO, describe, run_script, verdict
 from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
 
 STAT_TOL = 1e-5
@@ -574,3 +574,4 @@ def test_batch_norm_example_quick_matches_big_batch_statistics():
     assert swap, describe(result)
     assert float(swap.group(1)) <= 1e-5, describe(result)
     assert "swapped layers: AccumBatchNormalization," in result.stdout
+    assert verdict(result).startswith("OK: AccumBatchNormalization's"), describe(result)

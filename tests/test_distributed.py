@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests import dist_utils, dist_worker, utils
+from tests.processes import verdict
 
 TIMEOUT = 420  # seconds per group of child processes
 RESUME_ATOL = 1e-6
@@ -261,6 +262,7 @@ def test_distributed_example_quick_matches_big_batch():
     assert match, _describe(result)
     assert float(match.group(1)) <= utils.ATOL, _describe(result)
     assert "optimizer updates: 4" in result.stdout, _describe(result)
+    assert verdict(result).startswith("OK: accumulation under Multi"), _describe(result)
 
 
 def test_distributed_benchmark_quick_prints_counted_table():

@@ -15,7 +15,7 @@ import sys
 
 import numpy as np
 
-from tests.processes import REPO, describe, run_script
+from tests.processes import REPO, describe, run_script, verdict
 
 WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
 TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
@@ -24,6 +24,7 @@ TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
 def test_digits_demo_quick_matches_big_batch():
     result = run_script("examples/digits_demo.py", "--quick")
     assert result.returncode == 0, describe(result)
+    assert verdict(result).startswith("OK: accumulation reproduced"), describe(result)
     match = WEIGHT_DIFF.search(result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-4, describe(result)
@@ -83,11 +84,13 @@ def test_schedule_example_quick_matches_big_batch():
     match = WEIGHT_DIFF.search(result.stdout)
     assert match and float(match.group(1)) <= 1e-4, describe(result)
     assert "accum_steps now 4" in result.stdout, describe(result)
+    assert verdict(result).startswith("OK: the accumulation schedule"), describe(result)
 
 
 def test_masked_sequence_example_quick_is_token_exact():
     result = run_script("examples/masked_sequence.py", "--quick")
     assert result.returncode == 0, describe(result)
+    assert verdict(result).startswith("OK: token-weighted"), describe(result)
     match = WEIGHT_DIFF.search(result.stdout)
     assert match and float(match.group(1)) <= 1e-4, describe(result)
     naive = re.search(r"\| keras-builtin [^|]*\| (\S+) \|", result.stdout)

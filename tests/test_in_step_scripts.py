@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from tests.processes import describe, run_script
+from tests.processes import describe, run_script, verdict
 
 WEIGHT_DIFF = re.compile(r"max \|w_instep - w_bigbatch\| = (\S+)")
 MEMORY_HEADER = (
@@ -24,7 +24,9 @@ def test_in_step_example_quick_matches_big_batch():
     match = WEIGHT_DIFF.search(result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-4, describe(result)
-    assert "OK: in-step micro-batching reproduced" in result.stdout, describe(result)
+    assert verdict(result).startswith("OK: in-step micro-batching reproduced"), (
+        describe(result)
+    )
 
 
 def test_memory_benchmark_quick_prints_table():

@@ -36,7 +36,7 @@ import pytest
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests import utils
-from tests.processes import describe, run_script
+from tests.processes import describe, run_script, verdict
 
 B = 8  # micro-batch size
 K = 4  # accumulation steps
@@ -315,3 +315,4 @@ def test_mixed_precision_example_quick():
     result = run_script("examples/mixed_precision.py", "--quick")
     assert result.returncode == 0, describe(result)
     assert "overflow: cycle skipped" in result.stdout, describe(result)
+    assert verdict(result).startswith("OK: under mixed_float16"), describe(result)

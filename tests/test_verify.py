@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from gradient_accumulator import (
+    AccumBatchNormalization,
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
     VerifyReport,
@@ -119,11 +120,16 @@ def test_sequential_and_accumulating_model_fns():
 @pytest.mark.parametrize(
     ("layer_fn", "name", "why"),
     [
-        (lambda: keras.layers.BatchNormalization(name="bn"), "bn", "micro-batch"),
+        (lambda: keras.layers.BatchNormalization(name="bn"), "bn", "Fix: use"),
+        (
+            lambda: AccumBatchNormalization(name="abn"),
+            "abn",
+            "AccumBatchNormalization makes the moving statistics",
+        ),
         (lambda: keras.layers.Dropout(0.3, name="drop"), "drop", "random"),
         (lambda: CallCounter(name="counter"), "counter", "non-trainable state"),
     ],
-    ids=["batchnorm", "dropout", "per-call-state"],
+    ids=["batchnorm", "accum-batchnorm", "dropout", "per-call-state"],
 )
 def test_layers_that_break_equivalence_are_named(layer_fn, name, why):
     x, y = classification_data(n=96)
@@ -286,7 +292,11 @@ def test_cli_verify_fails_and_names_batchnorm():
     assert result.returncode == 1, describe(result)
     assert "Breaks equivalence:" in result.stdout, describe(result)
     assert "batch_normalization (BatchNormalization)" in result.stdout
-    assert "FAIL:" in result.stdout
+    # ... and the fix.
+    fix = result.stdout.split("Breaks equivalence:")[1]
+    assert "Fix: use gradient_accumulator.AccumBatchNormalization" in fix
+    assert "replace_batchnorm_layers(model)" in fix
+    assert result.stdout.splitlines()[-1].startswith("FAIL:")
 
 
 @pytest.mark.parametrize(
