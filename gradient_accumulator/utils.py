@@ -9,6 +9,8 @@ from gradient_accumulator._compat import warn_moved
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.convert import replace_batchnorm_layers
 
-warn_moved(__name__, "gradient_accumulator")
+warn_moved(
+    __name__, "gradient_accumulator (gradient_accumulator.batch_norm and .convert)"
+)
 
 __all__ = ["AccumBatchNormalization", "replace_batchnorm_layers"]

@@ -60,6 +60,7 @@ PAGES = {
     "VariableCheck": "verify",
     "adaptive_clip_grad": "agc",
     "unitwise_norm": "agc",
+    "compute_norm": "agc",
     "__version__": "../api",
 }
 
