@@ -8,6 +8,8 @@ fails here names the installed Keras version and the tested range.
 
 from __future__ import annotations
 
+import sys
+
 import keras
 
 TESTED_KERAS = ">=3.15"
@@ -45,6 +47,7 @@ __all__ = [
     "set_all_reduce",
     "track_variable",
     "unscale_loss_for_distribution",
+    "wrapping_loss_scaler",
 ]
 
 
@@ -102,3 +105,21 @@ def set_all_reduce(optimizer, function) -> None:
         del optimizer._all_reduce_sum_gradients
     else:
         optimizer._all_reduce_sum_gradients = function
+
+
+def wrapping_loss_scaler(inner):
+    """The ``LossScaleOptimizer`` that wraps ``inner``, when called from
+    ``inner.build`` while that LossScaleOptimizer's ``build`` (which builds
+    the optimizer it wraps) runs; else None."""
+    frame = sys._getframe(1)
+    for _ in range(4):  # inner.build, then LossScaleOptimizer.build
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if (
+            isinstance(candidate, keras.optimizers.LossScaleOptimizer)
+            and getattr(candidate, "inner_optimizer", None) is inner
+        ):
+            return candidate
+        frame = frame.f_back
+    return None

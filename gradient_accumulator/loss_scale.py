@@ -79,60 +79,67 @@ def _count(optimizer) -> None:
 # ------------------------------------------- LossScaleOptimizer(accumulating)
 # Under "mixed_float16", ``compile`` wraps whatever optimizer it is given in a
 # LossScaleOptimizer after the user built it, so an accumulating optimizer
-# ends up *inside* one. Keras' LossScaleOptimizer.apply then checks, skips and
+# ends up *inside* one. Keras' LossScaleOptimizer.apply checks, skips and
 # counts growth per call, i.e. per micro-batch: an overflowing micro-batch is
 # silently dropped from its cycle (instead of the cycle being skipped, as the
 # big batch holding that sample would be), the scale changes mid-cycle, and it
 # grows ``accum_steps`` times too fast.
 #
-# The accumulating optimizer must therefore take over the wrapper's role, but
-# it never receives a reference to the LossScaleOptimizer that wraps it:
-# ``compile`` creates the wrapper afterwards and only ever calls the inner
-# optimizer's ``build`` and ``apply``. So the seam is the wrapper's own public
-# methods: for an inner optimizer that declares the hooks below, ``apply``
-# (and, when that inner optimizer keeps a scale of its own, ``scale_loss``)
-# are handed to it; every other LossScaleOptimizer runs Keras' code
-# unchanged. Dispatching in the class, rather than patching instances, covers
-# every way the wrapper comes to exist - ``compile``, explicit construction,
-# ``load_model``, ``clone_model`` - with no state and nothing to undo, and the
-# saved configuration stays Keras' own, so files load without custom_objects.
+# The accumulating optimizer therefore takes over the wrapper's role. That
+# one wrapper instance (and no other LossScaleOptimizer in the process) is
+# given the class below, which hands ``apply`` (and, when the accumulating
+# optimizer keeps a scale of its own, ``scale_loss``) to the optimizer it
+# wraps. ``adopt`` is called when a LossScaleOptimizer wraps an accumulating
+# one (see GradientAccumulateOptimizer.loss_scale_factor), which covers every
+# way the wrapper comes to exist: ``compile``, explicit construction,
+# ``load_model``, ``clone_model``. The class saves as Keras' own, so files
+# load without custom_objects.
 #
 # Hooks (see GradientAccumulateOptimizer):
 #   inner._apply_with_loss_scaler(wrapper, grads, trainable_variables)
 #   inner._has_own_loss_scaler: True when the user built the inner optimizer
 #       around its own LossScaleOptimizer; the wrapper ``compile`` added on
 #       top then only passes calls through, so one scale is ever in use.
-keras_apply = getattr(
-    LossScaleOptimizer.apply, "_keras_original", LossScaleOptimizer.apply
-)
-keras_scale_loss = getattr(
-    LossScaleOptimizer.scale_loss, "_keras_original", LossScaleOptimizer.scale_loss
-)
+class CycleLossScaleOptimizer(LossScaleOptimizer):
+    """Keras' LossScaleOptimizer around an accumulating optimizer: the scale
+    is checked, skipped and grown per cycle, by the optimizer it wraps."""
+
+    def apply(self, grads, trainable_variables=None):
+        if tf.distribute.in_cross_replica_context():
+            raise ValueError("apply() must be called in a replica context.")
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        return self.inner_optimizer._apply_with_loss_scaler(
+            self, grads, trainable_variables
+        )
+
+    def scale_loss(self, loss):
+        if self.inner_optimizer._has_own_loss_scaler:
+            return self.inner_optimizer.scale_loss(loss)
+        return super().scale_loss(loss)
 
 
-def _apply(self, grads, trainable_variables=None):
-    takeover = getattr(self.inner_optimizer, "_apply_with_loss_scaler", None)
-    if takeover is None:
-        return keras_apply(self, grads, trainable_variables)
-    if tf.distribute.in_cross_replica_context():
-        raise ValueError("apply() must be called in a replica context.")
-    if not self.built:
-        with keras.name_scope(self.name, caller=self):
-            self.build(trainable_variables)
-        self.built = True
-    return takeover(self, grads, trainable_variables)
+# Saved files name Keras' class, which adopt() turns into this one on load.
+CycleLossScaleOptimizer.__name__ = LossScaleOptimizer.__name__
+CycleLossScaleOptimizer.__qualname__ = LossScaleOptimizer.__qualname__
+CycleLossScaleOptimizer.__module__ = LossScaleOptimizer.__module__
 
 
-def _scale_loss(self, loss):
-    if getattr(self.inner_optimizer, "_has_own_loss_scaler", False):
-        return self.inner_optimizer.scale_loss(loss)
-    return keras_scale_loss(self, loss)
+def keras_apply(scaler, grads, trainable_variables=None):
+    """Keras' own per-call ``LossScaleOptimizer.apply``."""
+    return LossScaleOptimizer.apply(scaler, grads, trainable_variables)
 
 
-def install() -> None:
-    """Hands ``LossScaleOptimizer.apply``/``scale_loss`` of accumulating inner
-    optimizers to them (idempotent; Keras' code runs for every other one)."""
-    for method, original in ((_apply, keras_apply), (_scale_loss, keras_scale_loss)):
-        method.__doc__ = original.__doc__
-        method._keras_original = original  # survives a reload of this module
-        setattr(LossScaleOptimizer, original.__name__, method)
+def adopt(scaler) -> None:
+    """Makes ``scaler``, a LossScaleOptimizer that wraps an accumulating
+    optimizer, hand whole cycles to it (this instance only)."""
+    if type(scaler) is LossScaleOptimizer:
+        scaler.__class__ = CycleLossScaleOptimizer
+    elif not isinstance(scaler, CycleLossScaleOptimizer):
+        raise TypeError(
+            "GradientAccumulateOptimizer can be wrapped in Keras' "
+            "LossScaleOptimizer, not in a subclass of it: "
+            f"{type(scaler).__name__}."
+        )

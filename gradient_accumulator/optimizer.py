@@ -9,10 +9,11 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
+from gradient_accumulator._keras_compat import wrapping_loss_scaler
 from gradient_accumulator.accumulator import Accumulator, Binding
 from gradient_accumulator.loss_scale import (
+    adopt,
     apply_gradients,
-    install,
     keras_apply,
     loss_scale,
     scale_hooks,
@@ -172,6 +173,14 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     # ---------------------------------------------------------------- update
     def build(self, var_list):
+        # A LossScaleOptimizer builds the optimizer it wraps (compile() puts
+        # one around this one under mixed_float16): it must hand whole cycles
+        # to us, and, as Keras does for the optimizer it wraps directly, its
+        # dynamic scale replaces any static factor of the wrapped optimizer.
+        scaler = wrapping_loss_scaler(self)
+        if scaler is not None:
+            adopt(scaler)
+            self.inner_optimizer.loss_scale_factor = None
         if self.built:
             return
         self.inner_optimizer.build(var_list)
@@ -303,11 +312,6 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             config["optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
-
-
-# compile() wraps this optimizer in a LossScaleOptimizer under
-# "mixed_float16"; make that wrapper hand whole cycles to us (see loss_scale).
-install()
 
 
 def _no_scaler() -> None:

@@ -288,7 +288,7 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
     # the scale and its counter come back from the file.
     keras.mixed_precision.set_global_policy("mixed_float16")
     loaded = keras.models.load_model(path)
-    assert type(loaded.optimizer) is type(model.optimizer) is LSO
+    assert isinstance(loaded.optimizer, LSO) and isinstance(model.optimizer, LSO)
     if layout != "model":
         assert type(loaded.optimizer.inner_optimizer) is GradientAccumulateOptimizer
     assert loaded.layers[-1].compute_dtype == "float16"
@@ -316,3 +316,50 @@ def test_mixed_precision_example_quick():
     assert result.returncode == 0, describe(result)
     assert "overflow: cycle skipped" in result.stdout, describe(result)
     assert verdict(result).startswith("OK: under mixed_float16"), describe(result)
+
+
+def test_other_loss_scale_optimizers_stay_keras_own():
+    """Only a LossScaleOptimizer that wraps an accumulating optimizer hands it
+    whole cycles (that one instance); Keras' class and every other instance
+    are untouched."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    accumulating = _build("compiled")
+    plain = keras.Model(*utils.mlp_layers())
+    plain.compile(optimizer=_inner(), loss=_loss())
+    x, y = utils.classification_data(CYCLE)
+    for model in (accumulating, plain):
+        _fit(model, x, y)
+    assert type(plain.optimizer) is LSO
+    assert type(accumulating.optimizer) is not LSO
+    assert isinstance(accumulating.optimizer, LSO)
+    assert LSO.apply.__module__ == LSO.__module__
+    assert LSO.scale_loss.__module__ == LSO.__module__
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_static_loss_scale_factor_of_the_wrapped_optimizer(policy):
+    """``SGD(loss_scale_factor=128)`` inside the optimizer wrapper trains as
+    plain Keras does with it on the big batch: scaled and unscaled once in
+    float32, replaced by the dynamic scale under mixed_float16 (Keras resets
+    the factor of the optimizer its LossScaleOptimizer wraps)."""
+    x, y = utils.classification_data(2 * CYCLE)
+    keras.mixed_precision.set_global_policy(policy)
+    reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    reference.compile(
+        optimizer=keras.optimizers.SGD(LR, loss_scale_factor=128.0), loss=_loss()
+    )
+    initial = utils.weights(reference)
+    reference.fit(x, y, batch_size=CYCLE, shuffle=False, verbose=0)
+    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(
+            keras.optimizers.SGD(LR, loss_scale_factor=128.0), K
+        ),
+        loss=_loss(),
+    )
+    _fit(model, x, y)
+    utils.assert_trained(initial, utils.weights(reference), min_change=1e-2)
+    atol = utils.ATOL if policy == "float32" else F16_ATOL
+    utils.report(
+        utils.assert_same_weights(utils.weights(model), utils.weights(reference), atol)
+    )
