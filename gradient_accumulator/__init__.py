@@ -16,6 +16,7 @@ import sys
 import types
 
 from gradient_accumulator._version import __version__
+from gradient_accumulator._versions import check_installed
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
@@ -92,9 +93,12 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-# Fail at import, as before, when another backend is known already: Keras is
-# loaded (an exact check, and cheap then) or KERAS_BACKEND names another one.
-# Otherwise the check runs when the first public name is used.
+# Fail at import, in one line, without a TensorFlow in the supported range
+# (told from package metadata, without loading TensorFlow), or when another
+# backend is known already: Keras is loaded (an exact check, and cheap then)
+# or KERAS_BACKEND names another one. Otherwise the backend is checked when
+# the first public name is used.
+check_installed()
 if (
     "keras" in sys.modules
     or os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"

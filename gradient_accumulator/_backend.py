@@ -1,10 +1,90 @@
-"""Fails at import, with a clear message, on any Keras backend but TensorFlow."""
+"""Fails at import, in one line, unless TensorFlow, Keras and the backend fit
+(the ranges are in ``_versions``); imported by the modules that use Keras."""
 
-import keras
+from __future__ import annotations
 
-if keras.config.backend() != "tensorflow":
-    raise ImportError(
-        "gradient_accumulator supports only the TensorFlow backend of Keras 3, "
-        f"but KERAS_BACKEND is {keras.config.backend()!r}. Set "
-        "KERAS_BACKEND=tensorflow (or remove the setting) before importing it."
-    )
+import importlib
+from typing import Any
+
+from gradient_accumulator._versions import (  # noqa: F401  (the ranges, here too)
+    INSTALL_HINT,
+    KERAS_BELOW,
+    KERAS_MIN,
+    KERAS_SPEC,
+    PYTHON_MIN,
+    REQUIRED,
+    TENSORFLOW_BELOW,
+    TENSORFLOW_MIN,
+    TENSORFLOW_SPEC,
+    _distribution_version,
+    _within,
+    check_versions,
+)
+
+
+def _installed_tensorflow() -> str | None:
+    """TensorFlow's version, importing it (Keras would anyway); None if absent.
+
+    Only a missing ``tensorflow`` module counts as absent: a TensorFlow that is
+    installed but fails to import raises its own error, which says why.
+    """
+    try:
+        tf = importlib.import_module("tensorflow")
+    except ModuleNotFoundError as error:
+        if error.name != "tensorflow":
+            raise
+        return None
+    return str(getattr(tf, "__version__", "unknown"))
+
+
+def _check() -> None:
+    tf_version = _installed_tensorflow()
+    if tf_version is not None and _within(tf_version, TENSORFLOW_MIN, TENSORFLOW_BELOW):
+        try:
+            import keras  # the module that will be used decides, not metadata
+        except ModuleNotFoundError as error:
+            if error.name != "keras":
+                raise
+            keras_version = None
+        else:
+            keras_version = str(keras.__version__)
+    else:
+        # Not importing Keras: with no or an old TensorFlow its import fails
+        # inside keras.src. Its distribution's metadata says which is there.
+        keras_version = _distribution_version("keras", "keras-nightly")
+    message = check_versions(tf_version, keras_version)
+    if message is not None:
+        raise ImportError(message)
+
+    import keras
+
+    if keras.config.backend() != "tensorflow":
+        raise ImportError(
+            "gradient_accumulator supports only the TensorFlow backend of Keras 3, "
+            f"but KERAS_BACKEND is {keras.config.backend()!r}. Set "
+            "KERAS_BACKEND=tensorflow (or remove the setting) before importing it."
+        )
+
+
+def keras_private(module: str, name: str) -> Any:
+    """``from <module> import <name>`` for a private Keras name.
+
+    A Keras release that moved or removed it gets, instead of an ImportError
+    from inside ``keras.src``, one line naming the Keras version and the
+    supported range. For the engine's private imports (one place for them).
+    """
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        import keras
+
+        raise ImportError(
+            f"gradient_accumulator needs the private Keras name {module}.{name}, "
+            f"which keras {keras.__version__} does not have (moved or removed in "
+            f"this release); supported: keras{KERAS_SPEC} where it exists, "
+            f"tested from keras {KERAS_MIN[0]}.{KERAS_MIN[1]} to the newest "
+            "release CI saw. Install an older Keras 3 release, or report it."
+        ) from None
+
+
+_check()

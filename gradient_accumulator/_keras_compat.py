@@ -12,7 +12,7 @@ import sys
 
 import keras
 
-TESTED_KERAS = ">=3.15"
+from gradient_accumulator._backend import KERAS_SPEC
 
 try:
     from keras.src.layers.normalization.batch_normalization import (
@@ -25,9 +25,9 @@ try:
     from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
 except ImportError as error:  # pragma: no cover - depends on the Keras release
     raise ImportError(
-        f"gradient_accumulator needs private Keras names that Keras "
-        f"{keras.__version__} does not have ({error}); it is tested with "
-        f"keras{TESTED_KERAS}."
+        f"gradient_accumulator needs private Keras names that keras "
+        f"{keras.__version__} does not have ({error}); supported: keras"
+        f"{KERAS_SPEC}, tested from its lower bound to the newest release CI saw."
     ) from error
 
 __all__ = [

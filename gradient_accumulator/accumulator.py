@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from gradient_accumulator import _backend  # noqa: F401  (backend check)
 from gradient_accumulator._keras_compat import (
     KerasSaveable,
     distributed_container,

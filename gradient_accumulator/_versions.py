@@ -1,0 +1,132 @@
+"""The supported TensorFlow / Keras / Python ranges, and a check of what is
+installed that imports neither TensorFlow nor Keras.
+
+The ranges are defined here and only here: ``setup.cfg`` repeats them for
+pip, and ``tests/test_supported_versions.py`` checks that it says the same.
+The package depends on no particular TensorFlow distribution (``tensorflow``,
+``tensorflow-cpu``, ``tensorflow[and-cuda]``, a nightly...), so pip cannot
+enforce the TensorFlow range: ``import gradient_accumulator`` does, with
+:func:`check_installed` (metadata only, so the command line answers
+``--help`` without loading TensorFlow), and ``_backend`` again, from the
+modules TensorFlow itself reports, when the first public name is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import re
+import sys
+
+# (major, minor) bounds; a ``None`` upper bound means none. Lower bounds are
+# the oldest pair CI tests on every submission (.ci/run's lowest-pair step).
+PYTHON_MIN = (3, 11)  # Keras >= 3.13 requires Python >= 3.11
+TENSORFLOW_MIN = (2, 16)  # the first TensorFlow whose default Keras is Keras 3
+TENSORFLOW_BELOW: tuple[int, ...] | None = None
+KERAS_MIN = (3, 15)  # the first Keras whose private names and saving we fit
+KERAS_BELOW: tuple[int, ...] | None = (4,)
+
+INSTALL_HINT = (
+    "Install with: pip install 'gradient-accumulator[tensorflow]' "
+    "(or [cpu], [and-cuda])"
+)
+
+
+def _spec(low: tuple[int, ...], below: tuple[int, ...] | None) -> str:
+    spec = ">=" + ".".join(map(str, low))
+    if below is not None:
+        spec += ",<" + ".".join(map(str, below))
+    return spec
+
+
+TENSORFLOW_SPEC = _spec(TENSORFLOW_MIN, TENSORFLOW_BELOW)  # ">=2.16"
+KERAS_SPEC = _spec(KERAS_MIN, KERAS_BELOW)  # ">=3.15,<4"
+REQUIRED = (
+    f"tensorflow{TENSORFLOW_SPEC} (any distribution: tensorflow, tensorflow-cpu, "
+    f"...) and keras{KERAS_SPEC}"
+)
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """``"2.16.0rc0"`` -> ``(2, 16, 0)``; None if it starts with no number.
+
+    Only the leading numbers count, so pre-releases and nightlies of a
+    supported minor version (``2.17.0-dev20240101``) are accepted.
+    """
+    match = re.match(r"\s*v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(p) for p in match.group(1).split(".")) if match else None
+
+
+def _within(version: str, low: tuple[int, ...], below: tuple[int, ...] | None) -> bool:
+    release = _release(version)
+    if release is None:
+        return False
+    return release >= low and (below is None or release < below)
+
+
+def check_versions(tf_version: str | None, keras_version: str | None) -> str | None:
+    """The one-line error for these installed versions, or None if they fit.
+
+    ``None`` for a version means that package is not installed.
+    """
+    tf_ok = tf_version is not None and _within(
+        tf_version, TENSORFLOW_MIN, TENSORFLOW_BELOW
+    )
+    keras_ok = keras_version is not None and _within(
+        keras_version, KERAS_MIN, KERAS_BELOW
+    )
+    if tf_ok and keras_ok:
+        return None
+    found = ", ".join(
+        f"{name} {version}" if version is not None else f"no {name}"
+        for name, version in (("tensorflow", tf_version), ("keras", keras_version))
+    )
+    return f"gradient_accumulator needs {REQUIRED}; found {found}. {INSTALL_HINT}"
+
+
+def _distribution_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+# Distributions that install the ``tensorflow`` module.
+TENSORFLOW_DISTRIBUTIONS = (
+    "tensorflow",
+    "tensorflow-cpu",
+    "tensorflow-gpu",
+    "tensorflow-intel",
+    "tensorflow-macos",
+    "tf-nightly",
+    "tf-nightly-cpu",
+)
+UNKNOWN = ""  # installed, version not known without importing it
+
+
+def _present_version(module: str, distributions: tuple[str, ...]) -> str | None:
+    """The version of ``module`` as far as can be told without importing it:
+    a loaded module's ``__version__``, else its distribution's metadata;
+    ``None`` if it is not installed, :data:`UNKNOWN` if that cannot be told."""
+    if module in sys.modules:
+        loaded = sys.modules[module]
+        return None if loaded is None else str(getattr(loaded, "__version__", ""))
+    if importlib.util.find_spec(module) is None:
+        return None
+    version = _distribution_version(*distributions)
+    return UNKNOWN if version is None else version
+
+
+def check_installed() -> None:
+    """Raises the one-line ImportError of :func:`check_versions` for what is
+    installed, importing neither TensorFlow nor Keras."""
+    tf_version = _present_version("tensorflow", TENSORFLOW_DISTRIBUTIONS)
+    keras_version = _present_version("keras", ("keras", "keras-nightly"))
+    if UNKNOWN in (tf_version, keras_version):
+        return  # checked from the modules themselves on first use
+    message = check_versions(tf_version, keras_version)
+    if message is not None:
+        raise ImportError(message)
