@@ -1,11 +1,10 @@
 """Exact gradient accumulation for TensorFlow / Keras 3.
 
-The public names are loaded on first use (PEP 562 module ``__getattr__``):
-``import gradient_accumulator`` alone does not import TensorFlow, so the
-``gradient-accumulator`` command answers ``--help`` and ``--version`` at once.
-``from gradient_accumulator import GradientAccumulateModel`` and
-``gradient_accumulator.verify(...)`` work as with eager imports; the first
-such access imports every public name (and TensorFlow).
+``import gradient_accumulator`` imports every public name (and TensorFlow),
+which also registers the package's classes with Keras so that
+``keras.models.load_model`` finds them. Only in the ``gradient-accumulator``
+command are they loaded on first use (PEP 562 module ``__getattr__``), so
+that it answers ``--help`` and ``--version`` without loading TensorFlow.
 """
 
 from __future__ import annotations
@@ -26,12 +25,15 @@ _EXPORTS = {
     "FlushPartialCycle": "callbacks",
     "GradientAccumulateModel": "model",
     "GradientAccumulateOptimizer": "optimizer",
+    "Accumulating": "accumulate",
     "LayerCheck": "verify",
     "VariableCheck": "verify",
     "VerifyReport": "verify",
+    "accumulate": "accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
     "replace_batchnorm_layers": "convert",
+    "stop_accumulating": "accumulate",
     "unitwise_norm": "agc",
     "verify": "verify",
 }
@@ -47,9 +49,11 @@ __all__ = [
     "VariableCheck",
     "VerifyReport",
     "__version__",
+    "accumulate",
     "adaptive_clip_grad",
     "compute_norm",
     "replace_batchnorm_layers",
+    "stop_accumulating",
     "unitwise_norm",
     "verify",
 ]
@@ -104,3 +108,13 @@ if (
     or os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"
 ):
     importlib.import_module(f"{__name__}._backend")
+
+
+def _is_the_command() -> bool:
+    """Whether this process is the ``gradient-accumulator`` command."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return program.split(".")[0].removesuffix("-script") == "gradient-accumulator"
+
+
+if not _is_the_command():
+    _load()

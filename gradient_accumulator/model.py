@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import threading
 import warnings
@@ -51,6 +52,43 @@ _SETTINGS = (
     "partial_cycle",
     "flush_at_end",
 )
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """Checked accumulation settings and the engine built from them."""
+
+    accumulator: Accumulator
+    micro_batch_size: int | None
+    partial_cycle: str
+    flush_at_end: bool
+
+    @classmethod
+    def checked(
+        cls,
+        accum_steps,
+        use_agc,
+        clip_factor,
+        eps,
+        micro_batch_size,
+        partial_cycle,
+        flush_at_end,
+        skip_update_fn,
+    ) -> _Setup:
+        check_accum_steps(accum_steps)
+        return cls(
+            accumulator=Accumulator(
+                accum_steps,
+                name="accumulator",
+                use_agc=use_agc,
+                clip_factor=clip_factor,
+                eps=eps,
+                skip_update_fn=skip_update_fn,
+            ),
+            micro_batch_size=check_micro_batch_size(micro_batch_size),
+            partial_cycle=check_choice("partial_cycle", partial_cycle, PARTIAL_CYCLE),
+            flush_at_end=check_bool("flush_at_end", flush_at_end),
+        )
 
 
 @dataclass(frozen=True)
@@ -142,13 +180,17 @@ class GradientAccumulateModel(keras.Model):
             # Keras' functional code may pass (inputs, outputs) positionally.
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
-        check_accum_steps(accum_steps)
         use_agc = take_05_keywords(kwargs, use_agc)
-        micro_batch_size = check_micro_batch_size(micro_batch_size)
-        self._partial_cycle = check_choice(
-            "partial_cycle", partial_cycle, PARTIAL_CYCLE
+        setup = _Setup.checked(
+            accum_steps=accum_steps,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            micro_batch_size=micro_batch_size,
+            partial_cycle=partial_cycle,
+            flush_at_end=flush_at_end,
+            skip_update_fn=skip_update_fn,
         )
-        self._flush_at_end = check_bool("flush_at_end", flush_at_end)
         warn_unneeded(
             "mixed_precision",
             mixed_precision,
@@ -161,20 +203,20 @@ class GradientAccumulateModel(keras.Model):
             False,
             "tf.distribute strategies are always supported.",
         )
-        accumulator = Accumulator(
-            accum_steps,
-            name="accumulator",
-            use_agc=use_agc,
-            clip_factor=clip_factor,
-            eps=eps,
-            skip_update_fn=skip_update_fn,
-        )
         if functional_init_arguments(args, kwargs):
             _init_functional(self, super().__init__, args, kwargs)
         else:
             super().__init__(*args, **kwargs)
+        self._start_accumulating(setup)
+
+    def _start_accumulating(self, setup: _Setup) -> None:
+        """Gives this model its accumulation settings and (empty) state; also
+        for a model made accumulating after construction (``accumulate``)."""
+        accumulator = setup.accumulator
         self._accumulator = accumulator
-        self._micro_batch_size = micro_batch_size
+        self._micro_batch_size = setup.micro_batch_size
+        self._partial_cycle = setup.partial_cycle
+        self._flush_at_end = setup.flush_at_end
         self._plan: _Plan | None = None
         accumulator.bind(
             Binding(
@@ -231,9 +273,22 @@ class GradientAccumulateModel(keras.Model):
         slices instead). The model's ``partial_cycle`` policy runs at every
         epoch end; see :class:`GradientAccumulateModel`.
         """
-        # Keras' fit takes callbacks as its sixth positional argument.
-        args = list(args)
-        callbacks = args[5] if len(args) > 5 else kwargs.get("callbacks")
+        # Keras' fit takes callbacks as its sixth positional argument; a
+        # model class may have its own fit (keras-hub tasks do): find them
+        # by its signature.
+        signature = inspect.signature(super().fit)
+        bound = signature.bind(*args, **kwargs)
+        named = signature.parameters.get("callbacks")
+        if named is not None and named.kind is not inspect.Parameter.VAR_KEYWORD:
+            place = bound.arguments
+        else:
+            extra = next(
+                p.name
+                for p in signature.parameters.values()
+                if p.kind is inspect.Parameter.VAR_KEYWORD
+            )
+            place = bound.arguments.setdefault(extra, {})
+        callbacks = place.get("callbacks")
         # First, so that other callbacks see the weights after a flush; a
         # second one last, which sees whether a callback stopped training.
         head, tail = _PartialCycles(self), _PartialCycles(self, closing=True)
@@ -241,20 +296,18 @@ class GradientAccumulateModel(keras.Model):
             callbacks.callbacks.insert(0, head)
             callbacks.callbacks.append(tail)
         else:
-            callbacks = [head, *(callbacks or []), tail]
-        if len(args) > 5:
-            args[5] = callbacks
-        else:
-            kwargs["callbacks"] = callbacks
-        return super().fit(*args, **kwargs)
+            place["callbacks"] = [head, *(callbacks or []), tail]
+        return super().fit(*bound.args, **bound.kwargs)
 
-    def compile(self, optimizer="rmsprop", *args, **kwargs):
+    def compile(self, *args, **kwargs):
         """Keras' ``compile``. Refuses an optimizer with Keras' own
         ``gradient_accumulation_steps`` (it would accumulate twice), and
         rebuilds the accumulation state if the trainable variables changed
         (a pending partial cycle is then dropped, with a warning)."""
+        # The defaults are the model class's own (keras-hub tasks have theirs).
+        optimizer = args[0] if args else kwargs.get("optimizer")
         check_single_accumulation(optimizer, "GradientAccumulateModel")
-        super().compile(optimizer, *args, **kwargs)
+        super().compile(*args, **kwargs)
         # Nothing traced for the last compile (flush functions, the plan)
         # survives it; the state follows the trainable variables of now.
         self._accumulator.unwire()
