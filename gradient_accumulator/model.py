@@ -25,7 +25,7 @@ from gradient_accumulator._keras_compat import (
     loss_tracker,
     unscale_loss_for_distribution,
 )
-from gradient_accumulator.accumulator import Accumulator, Binding
+from gradient_accumulator.accumulator import Accumulator, Binding, overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import (
@@ -417,7 +417,7 @@ class GradientAccumulateModel(keras.Model):
                 x, y_pred, sample_weight, opens_step
             )
             scale = loss_scale(self.optimizer)
-            if scale is None:
+            if scale is None and not _has_overwritten(self):
                 # Weighting the scalar loss rather than the gradients spares
                 # a multiply over every gradient element on every micro-step.
                 loss_weight, grad_weight = tf.stop_gradient(weight), None
@@ -425,7 +425,11 @@ class GradientAccumulateModel(keras.Model):
                 # Under a loss scale the float16 backward pass must not carry
                 # the weight (it would overflow sooner than Keras' would);
                 # unscaling here keeps every micro-batch's sum in one unit.
-                loss_weight, grad_weight = 1.0, weight / scale
+                # float8 layers record the backward pass's magnitudes (their
+                # output-gradient amax) as Keras' own accumulation does: from
+                # the micro-batch's own loss, so the weight goes here too.
+                loss_weight = 1.0
+                grad_weight = weight if scale is None else weight / scale
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
@@ -772,6 +776,12 @@ def _at(structure, path):
     for key in path:
         structure = structure[key]
     return structure
+
+
+def _has_overwritten(model) -> bool:
+    """Whether ``model`` trains variables overwritten with their gradient
+    (float8 layers; see ``accumulator.overwritten``)."""
+    return any(overwritten(v) for v in model.trainable_weights)
 
 
 def _mask_of(tensor):
