@@ -73,9 +73,12 @@ class GradientAccumulateModel(keras.Model):
     Each micro-batch is weighted by the denominator Keras' loss reduction uses
     for it (its number of samples, or of unmasked loss entries under a mask),
     so padded sequences, sample weights and a short last micro-batch all give
-    exactly the big batch's gradient. With several loss terms, micro-batches
-    are weighted by their number of samples (exact unless the outputs' masks
-    differ). ``optimizer.iterations``, learning-rate schedules, clipping,
+    exactly the big batch's gradient, whatever the reduction. Several loss
+    terms must share one denominator (all sums, or all divided by the number
+    of samples, by one mask's unmasked entries or by the same sample
+    weights); other combinations cannot be exact with one divisor per cycle
+    and are refused at the first step, naming the outputs.
+    ``optimizer.iterations``, learning-rate schedules, clipping,
     weight decay and EMA all advance once per update.
 
     Args:
