@@ -221,6 +221,10 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
 
     def apply_gradients(self, grads_and_vars):
+        """Adds ``(gradient, variable)`` pairs to the cycle (applying it on
+        its last call), as Keras' ``apply_gradients``; variables may be
+        ``keras.Variable`` or raw ``tf.Variable``. Returns
+        :attr:`iterations`, the number of updates so far."""
         grads, trainable_variables = zip(*grads_and_vars)
         self.apply(grads, trainable_variables)
         # As Keras' optimizers: the update count (the wrapped optimizer's).
