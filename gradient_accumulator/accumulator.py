@@ -20,9 +20,13 @@ tracks (so checkpoints and ``.keras`` files see them):
 
 On the last micro-batch of a cycle it hands ``grad_sums / weight_sum`` (summed
 over replicas under a ``tf.distribute`` strategy) to the host's ``apply_fn``
-and resets. Choosing a micro-batch's weight is the host's job: the model
-wrapper uses the denominator Keras' loss reduction used for that micro-batch,
-which makes the applied gradient exactly the big batch's.
+and resets. Variables overwritten with their gradient (float8 scales and
+amax histories) are the exception: their buffers keep the cycle's maximum,
+unweighted and undivided (:func:`overwritten`).
+
+Choosing a micro-batch's weight is the host's job: the model wrapper uses
+the denominator Keras' loss reduction used for that micro-batch, which makes
+the applied gradient exactly the big batch's.
 
 An accumulator may *follow* another (:meth:`Accumulator.follow`): it then only
 adds, and the leader decides, all-reduces (in the same single all-reduce) and
@@ -70,10 +74,32 @@ def _var_key(variable) -> int:
     return id(distributed_container(variable))
 
 
-def _add(buffer: keras.Variable, grad, weight, first: bool = False) -> None:
+def overwritten(variable) -> bool:
+    """Whether ``variable`` is overwritten with its "gradient" rather than
+    trained (``overwrite_with_gradient=True``: the scales and amax histories
+    of ``model.quantize("float8")``).
+
+    Such a gradient is a new value computed in the backward pass, not a
+    derivative of the loss: it does not scale with the loss, its weight or a
+    loss scale. Its buffer keeps the maximum over the cycle, which is also
+    what is applied (Keras' own ``gradient_accumulation_steps`` does the
+    same); weights are ignored and nothing is divided. This function and the
+    ``maximum`` branches below are the only places that know of them.
+    """
+    return bool(getattr(variable, "overwrite_with_gradient", False))
+
+
+def _add(
+    buffer: keras.Variable, grad, weight, first: bool = False, maximum: bool = False
+) -> None:
     """Adds ``weight * grad`` to ``buffer``; ``first``: the buffer holds only
-    leftovers of an earlier cycle, so the sum starts here."""
+    leftovers of an earlier cycle, so the sum starts here. ``maximum``: keep
+    the element-wise maximum of ``grad`` instead (see :func:`overwritten`)."""
     target = buffer.value
+    if maximum:
+        grad = tf.cast(tf.convert_to_tensor(grad), tf.float32)
+        target.assign(grad) if first else target.assign(tf.maximum(target, grad))
+        return
     if isinstance(grad, tf.IndexedSlices):
         # Embedding gradients: scatter the touched rows instead of densifying
         # a whole table every micro-step.
@@ -170,10 +196,6 @@ class _Group:
     buffers: list
     present: list
     apply_fn: ApplyFn
-
-    @property
-    def live(self) -> list:
-        return [b for b, p in zip(self.buffers, self.present) if p]
 
 
 class Accumulator(tf.Module, KerasSaveable):
@@ -457,10 +479,12 @@ class Accumulator(tf.Module, KerasSaveable):
         if weight is not None:
             weight = tf.cast(weight, tf.float32)
 
+        maxima = [overwritten(v) for v in variables]
+
         def add_all(first):
-            for grad, buffer in zip(grads, buffers):
+            for grad, buffer, maximum in zip(grads, buffers, maxima):
                 if grad is not None:
-                    _add(buffer, grad, weight, first)
+                    _add(buffer, grad, weight, first, maximum)
             if first:
                 # A variable without a gradient now may get one later in the
                 # cycle: its sum must start from zero, not from leftovers.
@@ -626,13 +650,16 @@ class Accumulator(tf.Module, KerasSaveable):
             sums = [_read(g, last if i == 0 else None) for i, g in enumerate(groups)]
         grads, weight_sum, samples = sums[0]
         inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
-        # The leader's norm and every group's finite check in one pass.
-        leader = squared_norm(grads)
+        maxima = [overwritten(v) for v in groups[0].variables]
+        # The leader's norm and every group's finite check in one pass (the
+        # norm is of trained variables' gradients only).
+        leader = squared_norm([None if m else g for g, m in zip(grads, maxima)])
         others = [t for g, w, _ in sums[1:] for t in (*g, w)]
+        others += [g for g, m in zip(grads, maxima) if m]
         squares = leader + squared_norm([weight_sum, *others])
         ok = tf.math.is_finite(squares)
         if self.skip_update_fn is not None:
-            mean = [None if g is None else g * inverse for g in grads]
+            mean = _divide(grads, groups[0].variables, inverse)
             skip = tf.cast(self.skip_update_fn(mean, groups[0].variables), tf.bool)
             ok = tf.logical_and(ok, tf.logical_not(tf.reshape(skip, [])))
 
@@ -666,11 +693,19 @@ class Accumulator(tf.Module, KerasSaveable):
     def _mean(self, sums, weight_sum, group: _Group) -> list:
         # One multiply per gradient; an empty cycle (weight 0) applies zeros.
         inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
-        grads = [g * inverse if g is not None else None for g in sums]
+        grads = _divide(sums, group.variables, inverse)
         if self.use_agc:
-            grads = adaptive_clip_grad(
-                group.variables, grads, self.clip_factor, self.eps
+            # Overwritten variables' new values are not clipped (nor are they
+            # by Keras' clipping).
+            trained = [i for i, v in enumerate(group.variables) if not overwritten(v)]
+            clipped = adaptive_clip_grad(
+                [group.variables[i] for i in trained],
+                [grads[i] for i in trained],
+                self.clip_factor,
+                self.eps,
             )
+            for i, grad in zip(trained, clipped):
+                grads[i] = grad
         return grads
 
     # ------------------------------------------------------- partial cycles
@@ -737,10 +772,30 @@ class Accumulator(tf.Module, KerasSaveable):
             self._wiring.flush_fns[key]()
 
 
+def _divide(sums, variables, inverse) -> list:
+    """The mean gradient: ``sums * inverse``, except for the cycle maxima of
+    overwritten variables (see :func:`overwritten`)."""
+    return [
+        g if g is None or overwritten(v) else g * inverse
+        for g, v in zip(sums, variables)
+    ]
+
+
 def _pack(groups: list[_Group]) -> tf.Tensor:
     parts = []
+    replicas = tf.distribute.get_replica_context().num_replicas_in_sync
     for group in groups:
-        parts += [tf.reshape(b.value, [-1]) for b in group.live]
+        for buffer, variable, present in zip(
+            group.buffers, group.variables, group.present
+        ):
+            if not present:
+                continue
+            value = buffer.value
+            if overwritten(variable):
+                # The all-reduce sums: overwritten variables get the mean of
+                # the replicas' cycle maxima.
+                value = value / replicas
+            parts.append(tf.reshape(value, [-1]))
         accumulator = group.accumulator
         parts.append(tf.reshape(accumulator.weight_sum.value, [1]))
         parts.append(tf.reshape(accumulator.sample_sum.value, [1]))
@@ -776,23 +831,29 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
         return sums, weight_sum, sample_sum
     grads, weight, count, samples = last
     weight = None if weight is None else tf.cast(weight, tf.float32)
-    pairs = [(b, g) for b, g in zip(live, grads) if g is not None]
+    triples = [
+        (b, g, overwritten(v))
+        for b, g, v in zip(live, grads, group.variables)
+        if g is not None
+    ]
 
     def alone():
         # The cycle is this one micro-batch (accum_steps 1): the buffers hold
         # only leftovers.
         return [
-            _plus(tf.zeros(b.shape) if _sparse(g) else None, g, weight)
-            for b, g in pairs
+            _plus(tf.zeros(b.shape) if _sparse(g) else None, g, weight, maximum)
+            for b, g, maximum in triples
         ]
 
     def added():
         return [
-            _plus(None if b is None else tf.convert_to_tensor(b.value), g, weight)
-            for b, g in pairs
+            _plus(
+                None if b is None else tf.convert_to_tensor(b.value), g, weight, maximum
+            )
+            for b, g, maximum in triples
         ]
 
-    totals = iter(tf.cond(accumulator.empty.value, alone, added) if pairs else [])
+    totals = iter(tf.cond(accumulator.empty.value, alone, added) if triples else [])
     sums = [None if g is None else next(totals) for g in grads]
     if count is None:
         count = 1.0 if weight is None else weight
@@ -805,9 +866,13 @@ def _sparse(grad) -> bool:
     return isinstance(grad, tf.IndexedSlices)
 
 
-def _plus(total: tf.Tensor | None, grad, weight) -> tf.Tensor:
+def _plus(total: tf.Tensor | None, grad, weight, maximum: bool = False) -> tf.Tensor:
     """``total + weight * grad`` as a dense tensor (``total=None``: zeros;
-    a sparse ``grad`` needs a ``total``)."""
+    a sparse ``grad`` needs a ``total``); ``maximum``: their element-wise
+    maximum (``grad`` alone if ``total`` is None; see :func:`overwritten`)."""
+    if maximum:
+        grad = tf.cast(tf.convert_to_tensor(grad), tf.float32)
+        return grad if total is None else tf.maximum(total, grad)
     if _sparse(grad):
         values = tf.cast(grad.values, tf.float32)
         values = values if weight is None else values * weight

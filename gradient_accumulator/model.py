@@ -26,7 +26,7 @@ from gradient_accumulator._keras_compat import (
     loss_tracker,
     unscale_loss_for_distribution,
 )
-from gradient_accumulator.accumulator import Accumulator, Binding
+from gradient_accumulator.accumulator import Accumulator, Binding, overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.validation import (
@@ -40,7 +40,6 @@ from gradient_accumulator.validation import (
     warn_unneeded,
 )
 
-_MEAN_REDUCTIONS = ("sum_over_batch_size", "mean")
 _DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
 # The constructor's own arguments, saved in the model's config.
 _SETTINGS = (
@@ -112,9 +111,12 @@ class GradientAccumulateModel(keras.Model):
     Each micro-batch is weighted by the denominator Keras' loss reduction uses
     for it (its number of samples, or of unmasked loss entries under a mask),
     so padded sequences, sample weights and a short last micro-batch all give
-    exactly the big batch's gradient. With several loss terms, micro-batches
-    are weighted by their number of samples (exact unless the outputs' masks
-    differ). ``optimizer.iterations``, learning-rate schedules, clipping,
+    exactly the big batch's gradient, whatever the reduction. Several loss
+    terms must share one denominator (all sums, or all divided by the number
+    of samples, by one mask's unmasked entries or by the same sample
+    weights); other combinations cannot be exact with one divisor per cycle
+    and are refused at the first step, naming the outputs.
+    ``optimizer.iterations``, learning-rate schedules, clipping,
     weight decay and EMA all advance once per update.
 
     Args:
@@ -469,8 +471,15 @@ class GradientAccumulateModel(keras.Model):
             weight, count = self._micro_batch_weight(
                 x, y_pred, sample_weight, opens_step
             )
+            if self.losses and self._sums_losses() and loss.shape.rank == 0:
+                # A summed loss adds regularisation once per big batch:
+                # only the micro-batch that opens the cycle (count 1) keeps
+                # it (the weights, hence the penalty, are the same all cycle).
+                penalty = tf.add_n([tf.cast(p, loss.dtype) for p in self.losses])
+                penalty = unscale_loss_for_distribution(penalty)
+                loss = loss - (1.0 - tf.cast(count, loss.dtype)) * penalty
             scale = loss_scale(self.optimizer)
-            if scale is None:
+            if scale is None and not _has_overwritten(self):
                 # Weighting the scalar loss rather than the gradients spares
                 # a multiply over every gradient element on every micro-step.
                 loss_weight, grad_weight = tf.stop_gradient(weight), None
@@ -478,7 +487,11 @@ class GradientAccumulateModel(keras.Model):
                 # Under a loss scale the float16 backward pass must not carry
                 # the weight (it would overflow sooner than Keras' would);
                 # unscaling here keeps every micro-batch's sum in one unit.
-                loss_weight, grad_weight = 1.0, weight / scale
+                # float8 layers record the backward pass's magnitudes (their
+                # output-gradient amax) as Keras' own accumulation does: from
+                # the micro-batch's own loss, so the weight goes here too.
+                loss_weight = 1.0
+                grad_weight = weight if scale is None else weight / scale
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
@@ -618,9 +631,10 @@ class GradientAccumulateModel(keras.Model):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
     def _sums_losses(self) -> bool:
-        """Whether the loss is one term with a "sum" reduction."""
+        """Whether the loss is a plain sum (every term reduced by "sum" or
+        not reduced): the big batch's loss is then the micro-batches' sum."""
         terms = flat_losses(self)
-        return len(terms) == 1 and getattr(terms[0].loss, "reduction", None) == "sum"
+        return bool(terms) and all(_reduction(t) in _SUM_REDUCTIONS for t in terms)
 
     def _micro_batch_weight(self, x, y_pred, sample_weight, opens_step=None):
         """This micro-batch's share of the big batch's loss denominator.
@@ -629,43 +643,129 @@ class GradientAccumulateModel(keras.Model):
         micro-batch opens its cycle if the cycle is still empty and, for an
         in-step slice, if it is its step's first (``opens_step``, a bool
         tensor): later slices of the step do not advance the counter.
+
+        With several loss terms the engine's one divisor is exact only if
+        every term's denominator is the same quantity up to a constant factor
+        (see ``_denominator``); any other combination is refused here, when
+        the first step is traced, naming the outputs and reductions.
         """
         batch = tf.cast(_batch_size(x), tf.float32)
         terms = flat_losses(self)
-        if len(terms) != 1:
-            if any(_mask_of(_at(y_pred, t.path)) is not None for t in terms):
-                warnings.warn(
-                    "GradientAccumulateModel: several loss terms with masks. "
-                    "Micro-batches are weighted by their number of samples, "
-                    "which is exact only if every output masks alike.",
-                    stacklevel=2,
-                )
-            return batch, batch
-        term = terms[0]
-        reduction = getattr(term.loss, "reduction", "sum_over_batch_size")
-        mask = _mask_of(_at(y_pred, term.path))
-        if reduction == "sum":
+        if not terms:
+            return batch, batch  # a custom compute_loss: count samples
+        if self._sums_losses():
             # The big batch's loss is the plain sum of the micro-batches': the
             # divisor is 1 for the cycle, however many micro-batches it holds.
             first = tf.equal(self._accumulator.clock.micro_step, 0)
             if opens_step is not None:
                 first = tf.logical_and(first, opens_step)
             return tf.constant(1.0), tf.cast(first, tf.float32)
-        if reduction == "mean_with_sample_weight" and sample_weight is not None:
-            weights = apply_mask(
-                _at(sample_weight, term.path)
-                if tf.nest.is_nested(sample_weight)
-                else sample_weight,
-                mask,
-                dtype="float32",
-                reduction=reduction,
-            )
-            total = tf.reduce_sum(tf.cast(weights, tf.float32))
-            return total, total
-        if reduction in _MEAN_REDUCTIONS and mask is not None:
-            valid = tf.reduce_sum(tf.cast(mask, tf.float32))
-            return valid, valid
-        return batch, batch
+        found = [_denominator(t, y_pred, sample_weight, batch) for t in terms]
+        keys = {key for key, _ in found}
+        if len(keys) > 1:
+            raise ValueError(_inexact_message(terms, found))
+        total = found[0][1]
+        if len(found) > 1 and found[0][0][0] == "weights":
+            total = _same_weight_sums(terms, [d for _, d in found])
+        return total, total
+
+
+_SUM_REDUCTIONS = ("sum", "none", None)
+
+
+def _reduction(term):
+    return getattr(term.loss, "reduction", "sum_over_batch_size")
+
+
+def _denominator(term, y_pred, sample_weight, batch):
+    """``(key, D)``: the denominator ``D`` Keras divides this loss term by on
+    a micro-batch, and a key that is equal for two terms exactly when their
+    denominators are the same quantity up to a constant factor (the engine
+    can then weight micro-batches by either). ``key`` is ``"sum"`` for a
+    term that is not divided, ``"samples"`` for one divided by a multiple of
+    the micro-batch's size, else names the mask and sample-weight tensors
+    the denominator sums."""
+    reduction = _reduction(term)
+    if reduction in _SUM_REDUCTIONS:
+        return "sum", None
+    mask = _mask_of(_at(y_pred, term.path))
+    weights = (
+        _at(sample_weight, term.path)
+        if tf.nest.is_nested(sample_weight)
+        else sample_weight
+    )
+    if reduction == "mean_with_sample_weight" and weights is not None:
+        # Keras divides by the sum of the (masked) sample weights.
+        merged = apply_mask(weights, mask, dtype="float32", reduction=reduction)
+        total = tf.reduce_sum(tf.cast(merged, tf.float32))
+        # Several terms' weight sums are checked to agree at run time (Keras
+        # gives every output its own copy of one sample_weight array).
+        return ("weights", _ref(mask)), total
+    if mask is not None:
+        # Every mean reduction divides by the number of unmasked entries
+        # (mean_with_sample_weight without sample weights: the mask's sum).
+        return ("mask", _ref(mask)), tf.reduce_sum(tf.cast(mask, tf.float32))
+    # The number of loss entries: a fixed multiple of the samples.
+    return "samples", batch
+
+
+def _same_weight_sums(terms, totals):
+    """The first term's weight sum, after checking that every term's is the
+    same (one sample_weight array for all outputs). A mismatch stops
+    training with an error naming the outputs; where asserts do not run
+    (XLA), it makes the cycle non-finite, so it is skipped, never applied."""
+    first = totals[0]
+    same = tf.reduce_all(tf.stack([tf.equal(t, first) for t in totals[1:]]))
+    names = ", ".join("/".join(map(str, t.path)) or "0" for t in terms)
+    check = tf.debugging.Assert(
+        same,
+        [
+            "GradientAccumulateModel: the outputs "
+            f"{names} use reduction=mean_with_sample_weight with different "
+            "sample weights, so each would need its own divisor; exact "
+            "accumulation needs the same sample weights for every output "
+            "(one sample_weight array)."
+        ],
+    )
+    with tf.control_dependencies([check]):
+        return tf.where(same, first, tf.constant(float("nan")))
+
+
+def _ref(tensor):
+    return None if tensor is None else tensor.ref()
+
+
+def _describe(key) -> str:
+    if key == "sum":
+        return "not divided (a sum)"
+    if key == "samples":
+        return "divided by the number of samples"
+    if key[0] == "mask":
+        return "divided by its number of unmasked entries"
+    return "divided by the sum of its sample weights (masked)"
+
+
+def _inexact_message(terms, found) -> str:
+    lines = [
+        f"  output {'/'.join(map(str, t.path)) or '0'!r}: "
+        f"reduction={_reduction(t)!r}, {_describe(key)}"
+        for t, (key, _) in zip(terms, found)
+    ]
+    return (
+        "GradientAccumulateModel cannot accumulate this loss exactly: its "
+        "terms are normalised by different denominators, and the big "
+        "batch's gradient would need each term divided by its own total "
+        "over the cycle, known only at the cycle's end:\n"
+        + "\n".join(lines)
+        + "\nExact combinations: every term reduced by 'sum' (or 'none'); or "
+        "every term divided by the same quantity - the number of samples "
+        "(mean reductions without masks, 'mean_with_sample_weight' without "
+        "sample weights), the unmasked entries of one mask, or the sum of "
+        "the same sample weights (one sample_weight array for all outputs, "
+        "all of them 'mean_with_sample_weight'). Use one of these "
+        "(e.g. reduction='sum' with a constant scale in loss_weights), or "
+        "GradientAccumulateOptimizer, which averages micro-batch gradients."
+    )
 
 
 class _PartialCycles(keras.callbacks.Callback):
@@ -825,6 +925,12 @@ def _at(structure, path):
     for key in path:
         structure = structure[key]
     return structure
+
+
+def _has_overwritten(model) -> bool:
+    """Whether ``model`` trains variables overwritten with their gradient
+    (float8 layers; see ``accumulator.overwritten``)."""
+    return any(overwritten(v) for v in model.trainable_weights)
 
 
 def _mask_of(tensor):

@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Callable
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._keras_compat import wrapping_loss_scaler
@@ -171,6 +172,37 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
+    def get_weights(self) -> list:
+        """The values of :attr:`variables`: the wrapper's own state (cycle
+        counters and gradient sums) and the wrapped optimizer's."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights) -> None:
+        """Sets :attr:`variables` (the wrapper's and the wrapped optimizer's
+        state, as :meth:`get_weights` lists them)."""
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not "
+                "yet been built. Call `optimizer.build(trainable_variables)` "
+                "first."
+            )
+        variables, weights = self.variables, list(weights)
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"`set_weights` expects {len(variables)} arrays (the wrapper's "
+                f"{len(self._variables)} and the wrapped optimizer's "
+                f"{len(self.inner_optimizer.variables)}, as `get_weights` "
+                f"returns them). Received {len(weights)}."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != np.shape(weight):
+                raise ValueError(
+                    f"Optimizer variable {variable.path} has shape "
+                    f"{tuple(variable.shape)}, not compatible with provided "
+                    f"weight shape {np.shape(weight)}."
+                )
+            variable.assign(weight)
+
     # ---------------------------------------------------------------- update
     def build(self, var_list):
         # A LossScaleOptimizer builds the optimizer it wraps (compile() puts
@@ -196,6 +228,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
                 hooks=lambda: scale_hooks(self._scaler()),
             )
         )
+
+    def apply_gradients(self, grads_and_vars):
+        """Adds ``(gradient, variable)`` pairs to the cycle (applying it on
+        its last call), as Keras' ``apply_gradients``; variables may be
+        ``keras.Variable`` or raw ``tf.Variable``. Returns
+        :attr:`iterations`, the number of updates so far."""
+        grads, trainable_variables = zip(*grads_and_vars)
+        self.apply(grads, trainable_variables)
+        # As Keras' optimizers: the update count (the wrapped optimizer's).
+        return self.iterations
 
     def apply(self, grads, trainable_variables=None):
         variables = self._prepare(trainable_variables)

@@ -1,0 +1,246 @@
+"""Every loss reduction Keras offers, with masks, sample weights, several
+outputs and regularisation, against plain Keras on the big batch.
+
+``GradientAccumulateModel`` weights each micro-batch by the denominator Keras
+divides its loss by. Combinations whose terms are divided by different
+quantities cannot be accumulated exactly with one divisor per cycle; they are
+refused with a message naming the outputs and reductions.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import GradientAccumulateModel
+from tests import utils
+
+K = 4
+N = 16  # 4 micro-batches of 4
+VOCAB, T = 12, 10
+REDUCTIONS = ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight", "none"]
+
+
+def _tagger(heads: int = 1, regularizer=None):
+    def layers():
+        tokens = keras.Input((T,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+        h = keras.layers.Dense(8, activation="tanh")(h)
+        outputs = {
+            f"tag{i}": keras.layers.Dense(
+                VOCAB, kernel_regularizer=regularizer, name=f"tag{i}"
+            )(h)
+            for i in range(heads)
+        }
+        return tokens, outputs if heads > 1 else outputs["tag0"]
+
+    return layers
+
+
+def _sequences(seed: int = 1):
+    """16 sequences of 1 to 10 real tokens (0 pads), per-token targets and
+    per-token weights; the micro-batches hold very different token counts."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([1, 2, 1, 3, 9, 10, 8, 10, 4, 5, 6, 1, 10, 2, 7, 3])
+    x = np.zeros((N, T), "int32")
+    for i, length in enumerate(lengths):
+        x[i, :length] = rng.integers(1, VOCAB, length)
+    y = rng.integers(0, VOCAB, (N, T))
+    weights = rng.uniform(0.2, 2.0, (N, T)).astype("float32")
+    return x, y, weights
+
+
+def _ce(reduction):
+    return keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=reduction
+    )
+
+
+def _pair(layers, make_loss, x, y, sample_weight=None, lr=0.5, micro_batch_size=None):
+    """(initial, big-batch reference, accumulated) after one epoch: one
+    update of N samples each."""
+    reference = utils.seeded(lambda: keras.Model(*layers()))
+    initial = utils.weights(reference)
+    reference.compile(optimizer=keras.optimizers.SGD(lr), loss=make_loss())
+    fit = {"sample_weight": sample_weight, "shuffle": False, "verbose": 0}
+    reference.fit(x, y, batch_size=N, **fit)
+
+    def build():
+        inputs, outputs = layers()
+        return GradientAccumulateModel(
+            K if micro_batch_size is None else 1,
+            inputs=inputs,
+            outputs=outputs,
+            micro_batch_size=micro_batch_size,
+        )
+
+    accumulated = utils.seeded(build)
+    accumulated.compile(optimizer=keras.optimizers.SGD(lr), loss=make_loss())
+    batch = N // K if micro_batch_size is None else N
+    accumulated.fit(x, y, batch_size=batch, **fit)
+    assert int(accumulated.optimizer.iterations) == 1
+    return initial, reference, accumulated
+
+
+def _check(initial, reference, accumulated) -> float:
+    utils.assert_trained(initial, utils.weights(reference))
+    diff = utils.assert_same_weights(
+        utils.weights(accumulated), utils.weights(reference)
+    )
+    return utils.report(diff)
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+weights"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_masked_tagger_every_reduction(reduction, weighted):
+    """Embedding(mask_zero=True) tagger, 16 sequences of 1-10 real tokens,
+    K=4: each micro-batch counts with the denominator Keras uses (unmasked
+    tokens, their weights' sum, or 1 for a sum)."""
+    x, y, weights = _sequences()
+    _check(
+        *_pair(_tagger(), lambda: _ce(reduction), x, y, weights if weighted else None)
+    )
+
+
+def test_mean_with_sample_weight_under_a_mask_is_not_a_sample_mean():
+    """Non-vacuity for the mask-only case: Keras divides by unmasked tokens
+    there, and weighting micro-batches by samples instead (the old rule) is
+    measurably off: one SGD step from the sample-weighted mean of the
+    micro-batch gradients differs from the big batch's."""
+    x, y, _ = _sequences()
+    layers, lr = _tagger(), 0.5
+    _, reference, _ = _pair(layers, lambda: _ce("mean_with_sample_weight"), x, y)
+    model = utils.seeded(lambda: keras.Model(*layers()))
+    loss = _ce("mean_with_sample_weight")
+    total = None
+    for start in range(0, N, N // K):
+        part = slice(start, start + N // K)
+        with tf.GradientTape() as tape:
+            value = loss(y[part], model(x[part], training=True))
+        grads = tape.gradient(value, model.trainable_weights)
+        grads = [np.asarray(tf.convert_to_tensor(g)) for g in grads]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+    naive = [w - lr * g / K for w, g in zip(utils.weights(model), total)]
+    gap = utils.max_abs_diff(naive, utils.weights(reference))
+    assert gap > 100 * utils.ATOL, f"sample weighting is only {gap:.3g} off"
+
+
+def test_sum_reduction_counts_regularisation_once_per_cycle():
+    """With reduction="sum" the big batch adds the L2 penalty once, not once
+    per micro-batch."""
+    x, y, _ = _sequences()
+    layers = _tagger(regularizer=keras.regularizers.L2(0.05))
+    _check(*_pair(layers, lambda: _ce("sum"), x, y, lr=0.05))
+
+
+# ------------------------------------------------------------ several outputs
+def _two_heads():
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(8, activation="tanh")(inputs)
+    return inputs, {
+        "cls": keras.layers.Dense(3, name="cls")(h),
+        "reg": keras.layers.Dense(1, name="reg")(h),
+    }
+
+
+def _two_head_data():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(N, 6)).astype("float32")
+    y = {"cls": rng.integers(0, 3, N), "reg": rng.normal(size=(N, 1)).astype("float32")}
+    return x, y, rng.uniform(0.1, 3.0, N).astype("float32")
+
+
+def _two_losses(cls, reg):
+    return lambda: {
+        "cls": _ce(cls),
+        "reg": keras.losses.MeanSquaredError(reduction=reg),
+    }
+
+
+@pytest.mark.parametrize(
+    ("cls", "reg", "weighted"),
+    [
+        ("sum", "sum", False),
+        ("sum", "sum", True),
+        ("sum_over_batch_size", "mean", True),
+        ("mean_with_sample_weight", "mean_with_sample_weight", True),
+        ("mean_with_sample_weight", "sum_over_batch_size", False),
+    ],
+)
+def test_two_outputs_exact_combinations(cls, reg, weighted):
+    """Two outputs whose losses share one denominator (or are both sums);
+    one sample_weight array serves both outputs."""
+    x, y, weights = _two_head_data()
+    _check(
+        *_pair(_two_heads, _two_losses(cls, reg), x, y, weights if weighted else None)
+    )
+
+
+def test_two_summed_outputs_in_step():
+    x, y, _ = _two_head_data()
+    _check(*_pair(_two_heads, _two_losses("sum", "sum"), x, y, micro_batch_size=4))
+
+
+@pytest.mark.parametrize(
+    ("cls", "reg", "weighted", "reason"),
+    [
+        ("sum", "sum_over_batch_size", False, "not divided"),
+        ("mean_with_sample_weight", "sum_over_batch_size", True, "sample weights"),
+    ],
+)
+def test_two_outputs_with_different_denominators_are_refused(
+    cls, reg, weighted, reason
+):
+    x, y, weights = _two_head_data()
+    inputs, outputs = _two_heads()
+    model = GradientAccumulateModel(K, inputs=inputs, outputs=outputs)
+    model.compile(optimizer="sgd", loss=_two_losses(cls, reg)())
+    with pytest.raises(ValueError, match="cannot accumulate this loss exactly") as e:
+        model.fit(x, y, sample_weight=weights if weighted else None, batch_size=4)
+    message = str(e.value)
+    for name, reduction in (("cls", cls), ("reg", reg)):
+        assert f"output '{name}': reduction='{reduction}'" in message
+    assert reason in message
+    assert int(model.optimizer.iterations) == 0
+
+
+def test_different_sample_weights_per_output_are_refused():
+    """mean_with_sample_weight on two outputs with their own sample weights:
+    each output would need its own divisor. Training stops at the first
+    micro-batch, naming the outputs, before any update."""
+    x, y, weights = _two_head_data()
+    inputs, outputs = _two_heads()
+    model = GradientAccumulateModel(K, inputs=inputs, outputs=outputs)
+    mean = "mean_with_sample_weight"
+    model.compile(optimizer="sgd", loss=_two_losses(mean, mean)())
+    before = utils.weights(model)
+    per_output = {"cls": weights, "reg": weights[::-1].copy()}
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outputs cls, reg use"):
+        model.fit(x, y, sample_weight=per_output, batch_size=4, verbose=0)
+    assert utils.max_abs_diff(before, utils.weights(model)) == 0.0
+
+
+def test_two_heads_on_one_mask_are_exact_and_other_masks_refused():
+    """Two tagging heads over one masked trunk share its mask: exact. A head
+    whose output is masked otherwise is refused."""
+    x, y, _ = _sequences()
+    targets = {"tag0": y, "tag1": y[:, ::-1].copy()}
+    both = lambda: {"tag0": _ce("mean"), "tag1": _ce("sum_over_batch_size")}  # noqa: E731
+    _check(*_pair(_tagger(heads=2), both, x, targets))
+
+    def other_mask():
+        tokens = keras.Input((T,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+        other = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens[:, ::-1])
+        return tokens, {
+            "tag0": keras.layers.Dense(VOCAB, name="tag0")(h),
+            "tag1": keras.layers.Dense(VOCAB, name="tag1")(other),
+        }
+
+    inputs, outputs = other_mask()
+    model = GradientAccumulateModel(K, inputs=inputs, outputs=outputs)
+    model.compile(optimizer="sgd", loss=both())
+    with pytest.raises(ValueError, match="unmasked entries"):
+        model.fit(x, targets, batch_size=4, verbose=0)
