@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import keras
+import tensorflow as tf
 
 from gradient_accumulator._backend import KERAS_SPEC
 
@@ -54,8 +55,15 @@ __all__ = [
 def distributed_container(variable):
     """The ``tf.distribute`` variable a per-replica component belongs to
     (``variable`` itself when it is not such a component)."""
-    container = getattr(variable, "_distributed_container", None)
-    return variable if container is None else container()
+    if isinstance(variable, tf.distribute.DistributedValues):
+        return variable
+    # The link back is on the component, or (TensorFlow >= 2.20, where a
+    # resource variable is a composite tensor) on its handle.
+    ref = getattr(variable, "_distributed_container", None)
+    if ref is None:
+        ref = getattr(getattr(variable, "handle", None), "_distributed_container", None)
+    container = None if ref is None else ref()
+    return variable if container is None else container
 
 
 def on_device_or_primary(variable):

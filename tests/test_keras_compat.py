@@ -28,13 +28,13 @@ import tensorflow as tf
 from gradient_accumulator import _keras_compat as compat
 
 # Public names of the module that are not Keras / TensorFlow names.
-OWN_NAMES = {"TESTED_KERAS"}
+OWN_NAMES = {"KERAS_SPEC"}
 
 
 def _says(name: str, what: str) -> str:
     return (
         f"_keras_compat.{name}: {what} (Keras {keras.__version__}, "
-        f"TensorFlow {tf.__version__}; tested with keras{compat.TESTED_KERAS})"
+        f"TensorFlow {tf.__version__}; tested with keras{compat.KERAS_SPEC})"
     )
 
 
@@ -74,8 +74,8 @@ def test_every_name_has_a_test(name):
 def test_keras_version_is_in_the_tested_range():
     from packaging.specifiers import SpecifierSet
 
-    assert keras.__version__ in SpecifierSet(compat.TESTED_KERAS), _says(
-        "TESTED_KERAS", "the installed Keras is outside the tested range"
+    assert keras.__version__ in SpecifierSet(compat.KERAS_SPEC), _says(
+        "KERAS_SPEC", "the installed Keras is outside the tested range"
     )
 
 
@@ -492,3 +492,23 @@ def test_unscale_loss_for_distribution(monkeypatch):
     assert float(roundtrip) == 1.25, _says(
         "unscale_loss_for_distribution", "does not undo Keras' loss scaling"
     )
+
+
+def test_wrapping_loss_scaler():
+    """Keras' LossScaleOptimizer.build builds the optimizer it wraps from its
+    own frame: the wrapped optimizer's build can find its wrapper there."""
+    found = []
+
+    class Probe(keras.optimizers.SGD):
+        def build(self, var_list):
+            found.append(compat.wrapping_loss_scaler(self))
+            super().build(var_list)
+
+    variables = [keras.Variable(np.zeros(2, "float32"))]
+    scaler = keras.optimizers.LossScaleOptimizer(Probe(0.1))
+    scaler.build(variables)
+    assert found == [scaler], _says(
+        "wrapping_loss_scaler", "LossScaleOptimizer.build no longer builds its inner"
+    )
+    Probe(0.1).build(variables)  # no wrapper on the stack
+    assert found[-1] is None
