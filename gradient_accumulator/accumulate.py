@@ -53,7 +53,7 @@ def accumulate(
 
     ``model`` trains exactly as a
     :class:`~gradient_accumulator.GradientAccumulateModel` with the same
-    arguments would (see there for each argument): one optimizer update per
+    arguments would (see there for each argument in full): one optimizer update per
     ``accum_steps`` micro-batches, each weighted by the loss denominator
     Keras uses for it. It stays an instance of its own class (keras-hub's
     ``generate``, preprocessor and ``compile`` defaults keep working), its
@@ -67,9 +67,17 @@ def accumulate(
     Args:
         model: a Keras model instance (functional, ``Sequential``,
             subclassed, keras-hub task, loaded from a file).
-        accum_steps, micro_batch_size, partial_cycle, flush_at_end,
-        skip_update_fn, use_agc, clip_factor, eps: as for
-            :class:`~gradient_accumulator.GradientAccumulateModel`.
+        accum_steps: micro-batches per optimizer update, an ``int >= 1``.
+        micro_batch_size: ``None``, or slice each ``fit`` batch into this
+            many samples inside the step (in-step micro-batching).
+        partial_cycle: ``"carry"``, ``"flush"`` or ``"drop"`` an incomplete
+            cycle at each epoch end.
+        flush_at_end: flush a carried partial cycle when ``fit`` ends.
+        skip_update_fn: optional ``fn(grads, variables) -> bool tensor``;
+            True skips the cycle. Not saved in ``.keras`` files.
+        use_agc: adaptive gradient clipping of the accumulated gradient.
+        clip_factor: its clipping factor (``> 0``).
+        eps: its epsilon (``> 0``).
 
     Returns:
         ``model`` itself.
@@ -133,6 +141,13 @@ def stop_accumulating(model: keras.Model, flush: bool = True) -> keras.Model:
 
     A pending partial cycle is applied first (``flush=True``, the default) or
     dropped. Compile the model again before training it further.
+
+    Args:
+        model: a model made accumulating by :func:`accumulate`.
+        flush: apply (True) or drop (False) a pending partial cycle.
+
+    Raises:
+        ValueError: ``model`` was not made accumulating by :func:`accumulate`.
 
     Returns:
         ``model`` itself.

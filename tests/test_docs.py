@@ -49,6 +49,8 @@ KERAS_TEXT = ("You can override this method", "Subclasses should override")
 PAGES = {
     "GradientAccumulateModel": "GradientAccumulateModel",
     "GradientAccumulateOptimizer": "GradientAccumulateOptimizer",
+    "accumulate": "accumulate",
+    "stop_accumulating": "accumulate",
     "AccumBatchNormalization": "AccumBatchNormalization",
     "replace_batchnorm_layers": "AccumBatchNormalization",
     "AccumulationScheduler": "AccumulationScheduler",

@@ -1,0 +1,437 @@
+"""``accumulate(model)``: a model you already have trains as the model wrapper.
+
+Four kinds of model a user may hold (``KINDS``): functional, ``Sequential``,
+a subclass with its own ``call`` and a model with its own ``compute_loss``.
+Each is made accumulating in place and compared with plain Keras on the big
+batch (same initial weights, ``utils.ATOL``), in the streaming mode
+(``accum_steps``) and the in-step mode (``micro_batch_size``); the drop-in
+guarantees of ``GradientAccumulateModel`` (weights lists, ``.keras`` files
+with a pending cycle, recompiling, unknown-length data, distribution, mixed
+precision) are checked for it too. keras-hub task models are in
+tests/test_keras_hub.py.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    accumulate,
+    stop_accumulating,
+)
+from tests import utils
+
+B = 4  # micro-batch
+K = 4  # micro-batches per update
+N = 56  # 14 micro-batches: 3 full cycles and a partial one (a short last batch)
+F16_ATOL = 1e-4  # tests/test_mixed_precision.py's tolerance under mixed_float16
+
+
+@keras.saving.register_keras_serializable(package="tests_accumulate")
+class Net(keras.Model):
+    """A subclassed model with its own ``call`` (and Keras' ``train_step``)."""
+
+    def __init__(self, classes: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.classes = classes
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.head = keras.layers.Dense(classes)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {**super().get_config(), "classes": self.classes}
+
+
+@keras.saving.register_keras_serializable(package="tests_accumulate")
+class Penalized(keras.Model):
+    """A functional model whose ``compute_loss`` is its own: cross-entropy
+    (a mean over the batch) plus an L2 penalty on its kernels; compiled
+    without a loss."""
+
+    def compute_loss(
+        self, x=None, y=None, y_pred=None, sample_weight=None, training=True
+    ):
+        ce = keras.losses.sparse_categorical_crossentropy(y, y_pred, from_logits=True)
+        penalty = sum(
+            keras.ops.sum(keras.ops.square(w))
+            for w in self.trainable_weights
+            if w.path.endswith("kernel")
+        )
+        return keras.ops.mean(ce) + 1e-2 * penalty
+
+
+class OwnStep(keras.Model):
+    """A model whose class overrides ``train_step``: refused."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _functional():
+    return keras.Model(*utils.mlp_layers())
+
+
+def _sequential():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _subclassed():
+    net = Net()
+    net(np.zeros((1, 8), "float32"))  # built here, so that seeds fix its weights
+    return net
+
+
+def _compute_loss():
+    return Penalized(*utils.mlp_layers())
+
+
+# Each kind's builder (called seeded: the same initial weights every time).
+KINDS = {
+    "functional": _functional,
+    "sequential": _sequential,
+    "subclassed": _subclassed,
+    "compute_loss": _compute_loss,
+}
+
+
+def _loss(kind: str):
+    if kind == "compute_loss":
+        return None  # its compute_loss ignores the compiled loss
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _adam():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
+    return keras.optimizers.Adam(schedule)
+
+
+def _compile(model, kind: str, optimizer=None):
+    model.compile(optimizer=optimizer or _adam(), loss=_loss(kind))
+
+
+def _fit(model, x, y, batch_size, **kwargs):
+    kwargs.setdefault("epochs", 1)
+    return model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0, **kwargs)
+
+
+def _pair(kind: str, **settings):
+    """A plain model and one made accumulating, with the same initial weights."""
+    build = KINDS[kind]
+    plain = utils.seeded(build)
+    model = accumulate(utils.seeded(build), **settings)
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain), 0.0)
+    return plain, model
+
+
+# ------------------------------------------------------------ exactness
+@pytest.mark.parametrize("mode", ["streaming", "in_step"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_equals_plain_keras_on_the_big_batch(kind, mode):
+    """Adam with a learning-rate schedule, two epochs of 14 micro-batches: a
+    partial cycle at each epoch end, flushed as plain Keras' short last batch
+    (in-step: each fit batch is sliced and is one update). The model keeps
+    its class, and its weights lists are the plain model's."""
+    x, y = utils.classification_data(N)
+    if mode == "streaming":
+        plain, model = _pair(kind, accum_steps=K, partial_cycle="flush")
+        batch = B
+    else:
+        plain, model = _pair(kind, micro_batch_size=B)
+        batch = B * K
+    own = type(plain)
+    assert isinstance(model, own) and isinstance(model, GradientAccumulateModel)
+    assert type(model).__name__ == own.__name__
+    assert type(model)._accumulated_class is own
+    initial = utils.weights(plain)
+    for m in (plain, model):
+        _compile(m, kind)
+    _fit(plain, x, y, B * K, epochs=2)
+    history = _fit(model, x, y, batch, epochs=2)
+    utils.assert_trained(initial, utils.weights(plain))
+    assert np.isfinite(history.history["loss"]).all()
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+    assert model._accumulator.pending == 0
+    # The same variables (up to automatic layer names): no state among them.
+    names = [[(w.name, tuple(w.shape)) for w in m.weights] for m in (plain, model)]
+    assert names[0] == names[1]
+    assert len(model.non_trainable_weights) == len(plain.non_trainable_weights)
+    assert len(model.get_weights()) == len(plain.get_weights())
+    assert model.count_params() == plain.count_params()
+
+
+def test_unbuilt_subclassed_model_set_weights_then_trains_exactly():
+    """A subclassed model made accumulating before it has weights: built and
+    given the plain model's weights with set_weights, it trains exactly."""
+    plain = utils.seeded(_subclassed)
+    model = accumulate(Net(), accum_steps=K)
+    assert not model.built
+    model(np.zeros((1, 8), "float32"))
+    model.set_weights(plain.get_weights())
+    x, y = utils.classification_data(N)
+    for m in (plain, model):
+        _compile(m, "subclassed")
+    _fit(plain, x, y, B * K)
+    _fit(model, x, y, B)
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+# --------------------------------------------------------- .keras files
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_keras_file_saved_mid_cycle_round_trips_and_resumes_exactly(kind, tmp_path):
+    """Saved after 6 micro-batches (1 update, 2 pending), loaded without
+    custom_objects, trained on: the same 3 updates as plain Keras on the big
+    batch, and the same weights as the model that was never saved."""
+    plain, model = _pair(kind, accum_steps=K, partial_cycle="carry", flush_at_end=False)
+    own = type(plain)
+    x, y = utils.classification_data(48)
+    for m in (plain, model):
+        _compile(m, kind)
+    _fit(model, x[:24], y[:24], B)
+    assert model._accumulator.pending == 2
+    path = tmp_path / f"{kind}.keras"
+    model.save(path)
+
+    loaded = keras.models.load_model(path)
+    assert type(loaded).__name__ == own.__name__
+    assert isinstance(loaded, own) and isinstance(loaded, GradientAccumulateModel)
+    assert loaded.accum_steps == K
+    assert loaded.get_config()["flush_at_end"] is False
+    assert loaded.get_config()["partial_cycle"] == "carry"
+    assert loaded._accumulator.pending == 2
+    assert int(loaded.optimizer.iterations) == 1
+    utils.assert_same_weights(utils.weights(loaded), utils.weights(model), 0.0)
+
+    for m in (loaded, model):
+        _fit(m, x[24:], y[24:], B)  # 2 pending + 6 = two more updates
+        assert m._accumulator.pending == 0
+    _fit(plain, x, y, B * K)
+    assert int(loaded.optimizer.iterations) == int(plain.optimizer.iterations) == 3
+    utils.assert_same_weights(utils.weights(loaded), utils.weights(model), 1e-6)
+    utils.report(utils.assert_same_weights(utils.weights(loaded), utils.weights(plain)))
+
+
+# ------------------------------------------------------------ workflows
+def _base_and_head():
+    base = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(16, activation="relu")], name="base"
+    )
+    inputs = keras.Input((8,))
+    outputs = keras.layers.Dense(3)(base(inputs, training=False))
+    return base, keras.Model(inputs, outputs)
+
+
+def test_freeze_train_unfreeze_recompile_train_equals_big_batch():
+    x, y = utils.classification_data(48)
+    ref_base, plain = utils.seeded(_base_and_head)
+    base, model = utils.seeded(_base_and_head)
+    accumulate(model, accum_steps=K)
+    initial = utils.weights(plain)
+    for m, b, batch in ((plain, ref_base, B * K), (model, base, B)):
+        b.trainable = False
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss("functional"))
+        _fit(m, x, y, batch, epochs=2)
+        b.trainable = True
+        m.compile(optimizer=_adam(), loss=_loss("functional"))
+        _fit(m, x, y, batch, epochs=2)
+    utils.assert_trained(initial, utils.weights(plain))
+    assert len(model._accumulator.grad_sums) == len(model.trainable_weights) == 4
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+def test_compile_before_accumulate_then_fit_accumulates():
+    """accumulate() after compile: the next fit accumulates (no stale step)."""
+    plain, model = utils.seeded(_functional), utils.seeded(_functional)
+    for m in (plain, model):
+        _compile(m, "functional")
+    x, y = utils.classification_data(32)
+    _fit(model, x[:8], y[:8], B * K)  # a plain step, traced
+    _fit(plain, x[:8], y[:8], B * K)
+    accumulate(model, accum_steps=K)
+    _fit(model, x, y, B)
+    _fit(plain, x, y, B * K)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 3
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+def test_unknown_length_dataset_over_several_epochs_equals_big_batch():
+    """from_generator: no cardinality; 6 micro-batches per epoch, so cycles
+    of 4 cross epoch ends; the last partial cycle is flushed."""
+    epochs, n = 3, 24
+    x, y = utils.classification_data(n)
+
+    def gen():
+        yield from zip(x, y)
+
+    ds = tf.data.Dataset.from_generator(
+        gen,
+        output_signature=(
+            tf.TensorSpec((8,), tf.float32),
+            tf.TensorSpec((), tf.int64),
+        ),
+    ).batch(B)
+    assert int(ds.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    plain, model = _pair("sequential", accum_steps=K)
+    for m in (plain, model):
+        _compile(m, "sequential")
+    model.fit(ds, epochs=epochs, verbose=0)
+    _fit(plain, np.concatenate([x] * epochs), np.concatenate([y] * epochs), B * K)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 5
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+# ---------------------------------------------------------------- undo
+def test_stop_accumulating_returns_it_to_plain_training(tmp_path):
+    """Pending micro-batches are flushed, the class is the original again, and
+    further training is plain Keras' (one update per batch)."""
+    plain, model = _pair("functional", accum_steps=K, flush_at_end=False)
+    x, y = utils.classification_data(48)
+    for m in (plain, model):
+        _compile(m, "functional")
+    _fit(model, x[:24], y[:24], B)
+    assert model._accumulator.pending == 2
+    own = type(model)._accumulated_class
+    assert stop_accumulating(model) is model
+    assert type(model) is own
+    assert not isinstance(model, GradientAccumulateModel)
+    assert "accum_steps" not in model.get_config()
+    _fit(plain, x[:24], y[:24], B * K)  # batches of 16 and 8: the same updates
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
+
+    for m in (plain, model):
+        _compile(m, "functional")
+    _fit(model, x[24:], y[24:], B)
+    _fit(plain, x[24:], y[24:], B)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+    path = tmp_path / "plain.keras"
+    model.save(path)
+    assert type(keras.models.load_model(path)) is own
+    # And it can accumulate again.
+    assert isinstance(accumulate(model, accum_steps=2), GradientAccumulateModel)
+
+
+def test_stop_accumulating_without_flush_drops_the_partial_cycle():
+    plain, model = _pair("sequential", accum_steps=K, flush_at_end=False)
+    x, y = utils.classification_data(24)
+    for m in (plain, model):
+        _compile(m, "sequential")
+    _fit(model, x, y, B)  # one update, 2 pending
+    stop_accumulating(model, flush=False)
+    assert type(model) is keras.Sequential
+    _fit(plain, x[:16], y[:16], B * K)  # the one full cycle only
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
+
+
+# ------------------------------------------------------------- refusals
+def test_a_class_that_overrides_train_step_is_refused():
+    model = OwnStep(*utils.mlp_layers())
+    with pytest.raises(ValueError, match="train_step"):
+        accumulate(model, accum_steps=K)
+    assert type(model) is OwnStep
+
+
+def test_an_accumulating_model_is_refused():
+    model = accumulate(_functional(), accum_steps=2)
+    with pytest.raises(ValueError, match="stop_accumulating"):
+        accumulate(model, accum_steps=K)
+    inputs, outputs = utils.mlp_layers()
+    wrapper = GradientAccumulateModel(2, inputs=inputs, outputs=outputs)
+    with pytest.raises(ValueError, match="accumulates already"):
+        accumulate(wrapper)
+
+
+BAD_ARGUMENTS = [
+    ({"accum_steps": 0}, ValueError, "accum_steps"),
+    ({"accum_steps": 2.5}, TypeError, "accum_steps"),
+    ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
+    ({"partial_cycle": "sometimes"}, ValueError, "partial_cycle"),
+    ({"flush_at_end": "yes"}, TypeError, "flush_at_end"),
+    ({"use_agc": True, "clip_factor": -1.0}, ValueError, "clip_factor"),
+]
+
+
+def test_bad_arguments_name_the_argument_and_leave_the_model_alone():
+    model = _sequential()
+    for settings, error, name in BAD_ARGUMENTS:
+        with pytest.raises(error, match=f"`{name}`"):
+            accumulate(model, **settings)
+        assert type(model) is keras.Sequential
+        assert not hasattr(model, "_accumulator")
+    for thing in (None, "model", keras.layers.Dense(2)):
+        with pytest.raises(TypeError, match="`model`"):
+            accumulate(thing, accum_steps=K)
+
+
+def test_stop_accumulating_a_plain_model_is_a_value_error():
+    with pytest.raises(ValueError, match="accumulate"):
+        stop_accumulating(_functional())
+
+
+# ----------------------------------------------- strategy, mixed precision
+def _wrapper():
+    """A GradientAccumulateModel of the same layers (and seeded weights)."""
+    inputs, outputs = utils.mlp_layers()
+    return GradientAccumulateModel(K, inputs=inputs, outputs=outputs)
+
+
+def test_under_mirrored_strategy_it_trains_as_the_model_wrapper():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    x, y = utils.classification_data(N)
+    with strategy.scope():
+        model = accumulate(utils.seeded(_functional), accum_steps=K)
+        wrapper = utils.seeded(_wrapper)
+        plain = utils.seeded(_functional)
+        for m in (model, wrapper, plain):
+            _compile(m, "functional")
+    assert model.distribute_strategy is strategy
+    _fit(model, x, y, B)
+    _fit(wrapper, x, y, B)
+    _fit(plain, x, y, B * K)
+    updates = [int(m.optimizer.iterations.numpy()) for m in (model, wrapper, plain)]
+    assert updates == [4, 4, 4]
+    utils.assert_same_weights(utils.weights(model), utils.weights(wrapper))
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.usefixtures("mixed_float16")
+def test_under_mixed_float16_it_trains_as_the_model_wrapper():
+    x, y = utils.classification_data(N)
+    model = accumulate(utils.seeded(_functional), accum_steps=K)
+    wrapper = utils.seeded(_wrapper)
+    assert model.layers[-1].compute_dtype == "float16"
+    initial = utils.weights(model)
+    for m in (model, wrapper):
+        _compile(m, "functional", keras.optimizers.SGD(0.1, momentum=0.5))
+        assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer)
+        _fit(m, x, y, B, epochs=2)
+    utils.assert_trained(initial, utils.weights(model))
+    assert int(model.optimizer.iterations) == int(wrapper.optimizer.iterations) == 7
+    utils.report(
+        utils.assert_same_weights(
+            utils.weights(model), utils.weights(wrapper), F16_ATOL
+        )
+    )
