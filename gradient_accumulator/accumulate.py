@@ -60,9 +60,9 @@ def accumulate(
     weights lists are unchanged, and ``.keras`` files round-trip it,
     accumulation settings and pending state included.
 
-    Call it before or after ``compile`` (a compiled model retraces its step). A model whose
-    class overrides ``train_step`` is refused: its step is its own, and the
-    accumulating step would replace it.
+    Call it before or after ``compile`` (a compiled model retraces its
+    step). A model whose class overrides ``train_step`` is refused: its step
+    is its own, and the accumulating step would replace it.
 
     Args:
         model: a Keras model instance (functional, ``Sequential``,
