@@ -50,9 +50,8 @@ def test_overhead_benchmark_quick_prints_table():
         # --phases: four micro-steps (accum_steps 4), the cycle, its ratio.
         phases = re.compile(rf"^\| mlp \| {variant}( \| {number}){{6}} \|$")
         assert any(phases.match(line) for line in lines), describe(result)
-    assert "target: ours <= 1.03 x plain and <= keras-builtin" in lines, describe(
-        result
-    )
+    target = "target: ours <= 1.03 x plain and <= 1.05 x keras-builtin"
+    assert any(line.startswith(target) for line in lines), describe(result)
 
 
 def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
