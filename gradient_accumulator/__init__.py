@@ -10,6 +10,7 @@ that it answers ``--help`` and ``--version`` without loading TensorFlow.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 import types
@@ -111,9 +112,13 @@ if (
 
 
 def _is_the_command() -> bool:
-    """Whether this process is the ``gradient-accumulator`` command."""
+    """Whether this process is the ``gradient-accumulator`` command: its
+    console script, or ``python -m gradient_accumulator.cli``."""
     program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return program.split(".")[0].removesuffix("-script") == "gradient-accumulator"
+    if program.split(".")[0].removesuffix("-script") == "gradient-accumulator":
+        return True
+    pairs = itertools.pairwise(getattr(sys, "orig_argv", ()))
+    return any(a == "-m" and b == f"{__name__}.cli" for a, b in pairs)
 
 
 if not _is_the_command():
