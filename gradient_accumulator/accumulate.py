@@ -20,20 +20,11 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
-from gradient_accumulator.model import GradientAccumulateModel, _Setup
+from gradient_accumulator.model import _SETTINGS, GradientAccumulateModel, _Setup
 
 # Saved files name this loader, which rebuilds the model's own class first.
 _LOADER = "gradient_accumulator>Accumulating"
 _MODEL_CLASS = "accumulated_class"
-_SETTINGS = (
-    "accum_steps",
-    "use_agc",
-    "clip_factor",
-    "eps",
-    "micro_batch_size",
-    "partial_cycle",
-    "flush_at_end",
-)
 _classes: dict[type, type] = {}
 
 

@@ -41,7 +41,8 @@ from gradient_accumulator.validation import (
 )
 
 _DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
-# The constructor's own arguments, saved in the model's config.
+# The constructor's own arguments, saved in the model's config (the keys of
+# GradientAccumulateModel._settings; accumulate's loader reads them back).
 _SETTINGS = (
     "accum_steps",
     "use_agc",
@@ -380,7 +381,7 @@ class GradientAccumulateModel(keras.Model):
     def _settings(self) -> dict:
         """The constructor arguments that reproduce this model's accumulation."""
         accumulator = self._accumulator
-        return {
+        settings = {  # the keys are _SETTINGS
             "accum_steps": accumulator.accum_steps,
             "use_agc": accumulator.use_agc,
             "clip_factor": accumulator.clip_factor,
@@ -389,6 +390,7 @@ class GradientAccumulateModel(keras.Model):
             "partial_cycle": self._partial_cycle,
             "flush_at_end": self._flush_at_end,
         }
+        return settings
 
     def get_config(self):
         config = super().get_config()
