@@ -156,11 +156,18 @@ class FlushPartialCycle(keras.callbacks.Callback):
             target.drop_partial_cycle()
 
     def on_train_begin(self, logs=None):
-        accumulating(self.model)
+        # Keras swaps EMA weights in (finalize_variable_values) after the
+        # last epoch and before on_train_end: the fit's last partial cycle
+        # must end before that, also when a callback later in the list stops
+        # training, so the host runs this at its own end-of-fit moment.
+        accumulating(self.model)._end_of_fit = self._end
 
     def on_epoch_end(self, epoch, logs=None):
         if self.every_epoch:
             self._end()
 
     def on_train_end(self, logs=None):
-        self._end()
+        target = accumulating(self.model)
+        if getattr(target, "_end_of_fit", None) == self._end:
+            target._end_of_fit = None
+        self._end()  # nothing is pending unless fit ended outside an epoch

@@ -602,6 +602,11 @@ class _PartialCycles(keras.callbacks.Callback):
 
     def _end_fit(self) -> None:
         owner = self._owner
+        # A FlushPartialCycle callback's end-of-fit action comes first.
+        end = getattr(owner, "_end_of_fit", None)
+        if end is not None:
+            owner._end_of_fit = None
+            end()
         if owner._partial_cycle == "drop":
             owner.drop_partial_cycle()
         elif owner._flush_at_end:

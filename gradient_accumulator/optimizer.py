@@ -147,6 +147,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         # scaler usually wraps this optimizer, and a tracked back-reference
         # would make a cycle of checkpoint dependencies.
         self._scaler = _no_scaler
+        # Set by FlushPartialCycle for the length of a fit: what ends that
+        # fit's partial cycle, before Keras swaps EMA weights in.
+        self._end_of_fit: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ delegation
     @property
@@ -176,6 +179,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
+        end, self._end_of_fit = self._end_of_fit, None
+        if end is not None:
+            end()
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_weights(self) -> list:
