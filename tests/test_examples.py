@@ -58,6 +58,39 @@ def test_overhead_benchmark_quick_prints_table():
     assert any(line.startswith(target) for line in lines), describe(result)
 
 
+def test_epoch_benchmark_quick_prints_table_and_targets():
+    result = run_script("benchmarks/epoch.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    assert_quiet(result)
+    lines = result.stdout.splitlines()
+    header = "| variant | batch | ms/epoch | vs plain-big | vs keras-builtin |"
+    assert any(line.startswith(header) for line in lines), describe(result)
+    number = r"[0-9]+\.[0-9]+"
+    variants = {
+        "plain-big": 64,
+        "plain-micro": 16,
+        "keras-builtin": 16,
+        "ours-model": 16,
+        "ours-in-step": 64,
+        "ours-optimizer": 16,
+    }
+    for variant, batch in variants.items():
+        row = re.compile(rf"^\| {variant} \| {batch}( \| {number}){{3}} \|")
+        assert any(row.match(line) for line in lines), describe(result)
+    for target in (
+        "ours-model <= 1.05x keras-builtin",
+        "ours-in-step <= 1.2x plain-big",
+        "ours-optimizer <= 1.05x keras-builtin",
+    ):
+        verdict_line = re.compile(
+            rf"^target {re.escape(target)}: wall {number}x \((holds|does not hold)\)"
+        )
+        assert any(verdict_line.match(line) for line in lines), describe(result)
+    assert verdict(result).startswith("Targets holding on wall clock: "), describe(
+        result
+    )
+
+
 def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
     """The benchmark's probe times what it says: the model wrapper without its
     finite check. A NaN in the first micro-batch reaches the probe's weights
