@@ -73,10 +73,6 @@ class OwnStep(keras.Model):
         return super().train_step(data)
 
 
-def _functional():
-    return keras.Model(*utils.mlp_layers())
-
-
 def _sequential():
     return keras.Sequential(
         [
@@ -99,7 +95,7 @@ def _compute_loss():
 
 # Each kind's builder (called seeded: the same initial weights every time).
 KINDS = {
-    "functional": _functional,
+    "functional": utils.plain_model,
     "sequential": _sequential,
     "subclassed": _subclassed,
     "compute_loss": _compute_loss,
@@ -109,7 +105,7 @@ KINDS = {
 def _loss(kind: str):
     if kind == "compute_loss":
         return None  # its compute_loss ignores the compiled loss
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return utils.sparse_ce()
 
 
 def _adam():
@@ -119,11 +115,6 @@ def _adam():
 
 def _compile(model, kind: str, optimizer=None):
     model.compile(optimizer=optimizer or _adam(), loss=_loss(kind))
-
-
-def _fit(model, x, y, batch_size, **kwargs):
-    kwargs.setdefault("epochs", 1)
-    return model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0, **kwargs)
 
 
 def _pair(kind: str, **settings):
@@ -157,8 +148,8 @@ def test_equals_plain_keras_on_the_big_batch(kind, mode):
     initial = utils.weights(plain)
     for m in (plain, model):
         _compile(m, kind)
-    _fit(plain, x, y, B * K, epochs=2)
-    history = _fit(model, x, y, batch, epochs=2)
+    utils.fit(plain, x, y, B * K, epochs=2)
+    history = utils.fit(model, x, y, batch, epochs=2)
     utils.assert_trained(initial, utils.weights(plain))
     assert np.isfinite(history.history["loss"]).all()
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
@@ -183,8 +174,8 @@ def test_unbuilt_subclassed_model_set_weights_then_trains_exactly():
     x, y = utils.classification_data(N)
     for m in (plain, model):
         _compile(m, "subclassed")
-    _fit(plain, x, y, B * K)
-    _fit(model, x, y, B)
+    utils.fit(plain, x, y, B * K)
+    utils.fit(model, x, y, B)
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
 
@@ -199,7 +190,7 @@ def test_keras_file_saved_mid_cycle_round_trips_and_resumes_exactly(kind, tmp_pa
     x, y = utils.classification_data(48)
     for m in (plain, model):
         _compile(m, kind)
-    _fit(model, x[:24], y[:24], B)
+    utils.fit(model, x[:24], y[:24], B)
     assert model._accumulator.pending == 2
     path = tmp_path / f"{kind}.keras"
     model.save(path)
@@ -215,9 +206,9 @@ def test_keras_file_saved_mid_cycle_round_trips_and_resumes_exactly(kind, tmp_pa
     utils.assert_same_weights(utils.weights(loaded), utils.weights(model), 0.0)
 
     for m in (loaded, model):
-        _fit(m, x[24:], y[24:], B)  # 2 pending + 6 = two more updates
+        utils.fit(m, x[24:], y[24:], B)  # 2 pending + 6 = two more updates
         assert m._accumulator.pending == 0
-    _fit(plain, x, y, B * K)
+    utils.fit(plain, x, y, B * K)
     assert int(loaded.optimizer.iterations) == int(plain.optimizer.iterations) == 3
     utils.assert_same_weights(utils.weights(loaded), utils.weights(model), 1e-6)
     utils.report(utils.assert_same_weights(utils.weights(loaded), utils.weights(plain)))
@@ -241,11 +232,11 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch():
     initial = utils.weights(plain)
     for m, b, batch in ((plain, ref_base, B * K), (model, base, B)):
         b.trainable = False
-        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss("functional"))
-        _fit(m, x, y, batch, epochs=2)
+        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
+        utils.fit(m, x, y, batch, epochs=2)
         b.trainable = True
-        m.compile(optimizer=_adam(), loss=_loss("functional"))
-        _fit(m, x, y, batch, epochs=2)
+        m.compile(optimizer=_adam(), loss=utils.sparse_ce())
+        utils.fit(m, x, y, batch, epochs=2)
     utils.assert_trained(initial, utils.weights(plain))
     assert len(model._accumulator.grad_sums) == len(model.trainable_weights) == 4
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
@@ -254,15 +245,15 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch():
 
 def test_compile_before_accumulate_then_fit_accumulates():
     """accumulate() after compile: the next fit accumulates (no stale step)."""
-    plain, model = utils.seeded(_functional), utils.seeded(_functional)
+    plain, model = utils.seeded(utils.plain_model), utils.seeded(utils.plain_model)
     for m in (plain, model):
         _compile(m, "functional")
     x, y = utils.classification_data(32)
-    _fit(model, x[:8], y[:8], B * K)  # a plain step, traced
-    _fit(plain, x[:8], y[:8], B * K)
+    utils.fit(model, x[:8], y[:8], B * K)  # a plain step, traced
+    utils.fit(plain, x[:8], y[:8], B * K)
     accumulate(model, accum_steps=K)
-    _fit(model, x, y, B)
-    _fit(plain, x, y, B * K)
+    utils.fit(model, x, y, B)
+    utils.fit(plain, x, y, B * K)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 3
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
@@ -288,7 +279,7 @@ def test_unknown_length_dataset_over_several_epochs_equals_big_batch():
     for m in (plain, model):
         _compile(m, "sequential")
     model.fit(ds, epochs=epochs, verbose=0)
-    _fit(plain, np.concatenate([x] * epochs), np.concatenate([y] * epochs), B * K)
+    utils.fit(plain, np.concatenate([x] * epochs), np.concatenate([y] * epochs), B * K)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 5
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
@@ -301,20 +292,20 @@ def test_stop_accumulating_returns_it_to_plain_training(tmp_path):
     x, y = utils.classification_data(48)
     for m in (plain, model):
         _compile(m, "functional")
-    _fit(model, x[:24], y[:24], B)
+    utils.fit(model, x[:24], y[:24], B)
     assert model._accumulator.pending == 2
     own = type(model)._accumulated_class
     assert stop_accumulating(model) is model
     assert type(model) is own
     assert not isinstance(model, GradientAccumulateModel)
     assert "accum_steps" not in model.get_config()
-    _fit(plain, x[:24], y[:24], B * K)  # batches of 16 and 8: the same updates
+    utils.fit(plain, x[:24], y[:24], B * K)  # batches of 16 and 8: the same updates
     utils.assert_same_weights(utils.weights(model), utils.weights(plain))
 
     for m in (plain, model):
         _compile(m, "functional")
-    _fit(model, x[24:], y[24:], B)
-    _fit(plain, x[24:], y[24:], B)
+    utils.fit(model, x[24:], y[24:], B)
+    utils.fit(plain, x[24:], y[24:], B)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
@@ -330,10 +321,10 @@ def test_stop_accumulating_without_flush_drops_the_partial_cycle():
     x, y = utils.classification_data(24)
     for m in (plain, model):
         _compile(m, "sequential")
-    _fit(model, x, y, B)  # one update, 2 pending
+    utils.fit(model, x, y, B)  # one update, 2 pending
     stop_accumulating(model, flush=False)
     assert type(model) is keras.Sequential
-    _fit(plain, x[:16], y[:16], B * K)  # the one full cycle only
+    utils.fit(plain, x[:16], y[:16], B * K)  # the one full cycle only
     utils.assert_same_weights(utils.weights(model), utils.weights(plain))
 
 
@@ -346,7 +337,7 @@ def test_a_class_that_overrides_train_step_is_refused():
 
 
 def test_an_accumulating_model_is_refused():
-    model = accumulate(_functional(), accum_steps=2)
+    model = accumulate(utils.plain_model(), accum_steps=2)
     with pytest.raises(ValueError, match="stop_accumulating"):
         accumulate(model, accum_steps=K)
     inputs, outputs = utils.mlp_layers()
@@ -379,29 +370,23 @@ def test_bad_arguments_name_the_argument_and_leave_the_model_alone():
 
 def test_stop_accumulating_a_plain_model_is_a_value_error():
     with pytest.raises(ValueError, match="accumulate"):
-        stop_accumulating(_functional())
+        stop_accumulating(utils.plain_model())
 
 
 # ----------------------------------------------- strategy, mixed precision
-def _wrapper():
-    """A GradientAccumulateModel of the same layers (and seeded weights)."""
-    inputs, outputs = utils.mlp_layers()
-    return GradientAccumulateModel(K, inputs=inputs, outputs=outputs)
-
-
 def test_under_mirrored_strategy_it_trains_as_the_model_wrapper():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     x, y = utils.classification_data(N)
     with strategy.scope():
-        model = accumulate(utils.seeded(_functional), accum_steps=K)
-        wrapper = utils.seeded(_wrapper)
-        plain = utils.seeded(_functional)
+        model = accumulate(utils.seeded(utils.plain_model), accum_steps=K)
+        wrapper = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
+        plain = utils.seeded(utils.plain_model)
         for m in (model, wrapper, plain):
             _compile(m, "functional")
     assert model.distribute_strategy is strategy
-    _fit(model, x, y, B)
-    _fit(wrapper, x, y, B)
-    _fit(plain, x, y, B * K)
+    utils.fit(model, x, y, B)
+    utils.fit(wrapper, x, y, B)
+    utils.fit(plain, x, y, B * K)
     updates = [int(m.optimizer.iterations.numpy()) for m in (model, wrapper, plain)]
     assert updates == [4, 4, 4]
     utils.assert_same_weights(utils.weights(model), utils.weights(wrapper))
@@ -420,14 +405,14 @@ def mixed_float16():
 @pytest.mark.usefixtures("mixed_float16")
 def test_under_mixed_float16_it_trains_as_the_model_wrapper():
     x, y = utils.classification_data(N)
-    model = accumulate(utils.seeded(_functional), accum_steps=K)
-    wrapper = utils.seeded(_wrapper)
+    model = accumulate(utils.seeded(utils.plain_model), accum_steps=K)
+    wrapper = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
     assert model.layers[-1].compute_dtype == "float16"
     initial = utils.weights(model)
     for m in (model, wrapper):
         _compile(m, "functional", keras.optimizers.SGD(0.1, momentum=0.5))
         assert isinstance(m.optimizer, keras.optimizers.LossScaleOptimizer)
-        _fit(m, x, y, B, epochs=2)
+        utils.fit(m, x, y, B, epochs=2)
     utils.assert_trained(initial, utils.weights(model))
     assert int(model.optimizer.iterations) == int(wrapper.optimizer.iterations) == 7
     utils.report(

@@ -49,10 +49,6 @@ LSO = keras.optimizers.LossScaleOptimizer
 LAYOUTS = ["model", "compiled", "outer", "inner", "inner_unwrapped"]
 
 
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _inner():
     # Momentum: an optimizer with state, which a skipped cycle must not touch.
     return keras.optimizers.SGD(LR, momentum=0.5)
@@ -81,7 +77,7 @@ def _build(layout: str, initial_scale=2.0**15, growth_steps=2000) -> keras.Model
             optimizer = GradientAccumulateOptimizer(LSO(_inner(), **scaler), K)
             if layout == "inner_unwrapped":
                 compile_kwargs["auto_scale_loss"] = False
-    model.compile(optimizer=optimizer, loss=_loss(), **compile_kwargs)
+    model.compile(optimizer=optimizer, loss=utils.sparse_ce(), **compile_kwargs)
     if layout in ("model", "compiled") and isinstance(model.optimizer, LSO):
         # compile() built this one with Keras' defaults.
         model.optimizer.initial_scale = initial_scale
@@ -102,15 +98,6 @@ def _scaler(model: keras.Model) -> LSO:
     return optimizer
 
 
-def _accumulator(model: keras.Model):
-    if isinstance(model, GradientAccumulateModel):
-        return model._accumulator
-    optimizer = model.optimizer
-    while not isinstance(optimizer, GradientAccumulateOptimizer):
-        optimizer = optimizer.inner_optimizer
-    return optimizer._accumulator
-
-
 def _sgd(model: keras.Model):
     optimizer = model.optimizer
     while hasattr(optimizer, "inner_optimizer"):
@@ -123,15 +110,11 @@ def _plain(policy: str, data, epochs: int = 1) -> keras.Model:
     """Plain Keras under ``policy`` on the big batch (``compile`` adds Keras'
     LossScaleOptimizer under mixed_float16)."""
     keras.mixed_precision.set_global_policy(policy)
-    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
-    model.compile(optimizer=_inner(), loss=_loss())
+    model = utils.seeded(utils.plain_model)
+    model.compile(optimizer=_inner(), loss=utils.sparse_ce())
     for x, y in data:
         model.fit(x, y, batch_size=CYCLE, epochs=epochs, shuffle=False, verbose=0)
     return model
-
-
-def _fit(model, x, y, epochs: int = 1):
-    return model.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
 
 
 def _mixed(policy: str, layout: str, **kwargs) -> keras.Model:
@@ -161,7 +144,7 @@ def test_close_to_float32_big_batch(policy, layout):
 
     model = _mixed(policy, layout)
     initial = utils.weights(model)
-    _fit(model, *data[0])
+    utils.fit(model, *data[0], B)
     utils.assert_trained(initial, utils.weights(model))
     utils.assert_same_weights(
         utils.weights(model), utils.weights(reference), MARGIN * low_precision_error
@@ -170,7 +153,7 @@ def test_close_to_float32_big_batch(policy, layout):
         utils.weights(model), utils.weights(keras_mixed), MARGIN * low_precision_error
     )
     assert int(model.optimizer.iterations) == 3
-    state = _accumulator(model)
+    state = utils.accumulator(model)
     assert {v.dtype for v in [state.weight_sum, *state.grad_sums]} == {"float32"}
     if policy == "mixed_float16":
         assert float(_scaler(model).dynamic_scale) == 2.0**15  # no overflow, no growth
@@ -190,7 +173,7 @@ def test_scale_change_mid_cycle_keeps_units(layout):
 
     x, y = utils.classification_data(2 * CYCLE)
     steady = _mixed("mixed_float16", layout)
-    _fit(steady, x, y)
+    utils.fit(steady, x, y, B)
     changing = _mixed("mixed_float16", layout)
     changing.fit(x, y, batch_size=B, shuffle=False, verbose=0, callbacks=[HalveScale()])
     assert float(_scaler(changing).dynamic_scale) == 2.0 ** (15 - 2 * K)
@@ -220,12 +203,12 @@ def test_overflowing_micro_batch_skips_the_whole_cycle(layout):
     after = utils.classification_data(2 * CYCLE, seed=3)
 
     model = _mixed("mixed_float16", layout)
-    _fit(model, *clean)
-    scaler, state, sgd = _scaler(model), _accumulator(model), _sgd(model)
+    utils.fit(model, *clean, B)
+    scaler, state, sgd = _scaler(model), utils.accumulator(model), _sgd(model)
     before = [v.numpy().copy() for v in model.trainable_weights + sgd.variables]
     assert int(model.optimizer.iterations) == 1
 
-    _fit(model, *poisoned)  # its loss is finite (tanh saturates), not its grads
+    utils.fit(model, *poisoned, B)  # its loss is finite (tanh saturates), not its grads
     for old, new in zip(before, model.trainable_weights + sgd.variables):
         np.testing.assert_array_equal(np.asarray(new), old)  # bit-identical
     assert int(model.optimizer.iterations) == 1
@@ -235,7 +218,7 @@ def test_overflowing_micro_batch_skips_the_whole_cycle(layout):
     for buffer in [state.weight_sum, *state.grad_sums]:
         assert not np.any(np.asarray(buffer)), buffer.path
 
-    history = _fit(model, *after, epochs=3)
+    history = utils.fit(model, *after, B, epochs=3)
     losses = history.history["loss"]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
     assert all(np.all(np.isfinite(w)) for w in utils.weights(model))
@@ -257,7 +240,7 @@ def test_dynamic_scale_growth_counts_updates(layout):
     scale once; counting micro-batches would double it 6 times."""
     x, y = utils.classification_data(3 * CYCLE)
     model = _mixed("mixed_float16", layout, initial_scale=2.0**8, growth_steps=2)
-    _fit(model, x, y)
+    utils.fit(model, x, y, B)
     scaler = _scaler(model)
     assert int(model.optimizer.iterations) == 3
     assert float(scaler.dynamic_scale) == 2.0**9
@@ -274,12 +257,12 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
     kwargs = {"initial_scale": 2.0**10, "growth_steps": 1}
 
     uninterrupted = _mixed("mixed_float16", layout, **kwargs)
-    _fit(uninterrupted, x, y, epochs=2)
+    utils.fit(uninterrupted, x, y, B, epochs=2)
 
     model = _mixed("mixed_float16", layout, **kwargs)
-    _fit(model, x, y)  # 1 update (the scale grew) + 2 pending micro-batches
+    utils.fit(model, x, y, B)  # 1 update (the scale grew) + 2 pending micro-batches
     assert float(_scaler(model).dynamic_scale) == 2.0**11
-    assert int(_accumulator(model).micro_step) == 2
+    assert int(utils.accumulator(model).micro_step) == 2
     path = tmp_path / "m.keras"
     model.save(path)
 
@@ -300,11 +283,11 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
     else:
         scaler.dynamic_growth_steps = 1
     for saved, restored in zip(
-        _accumulator(model).variables, _accumulator(loaded).variables
+        utils.accumulator(model).variables, utils.accumulator(loaded).variables
     ):
         np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved))
 
-    _fit(loaded, x, y)
+    utils.fit(loaded, x, y, B)
     assert int(loaded.optimizer.iterations) == 3
     assert float(_scaler(loaded).dynamic_scale) == 2.0**13
     utils.assert_same_weights(utils.weights(loaded), utils.weights(uninterrupted), 1e-6)
@@ -324,11 +307,11 @@ def test_other_loss_scale_optimizers_stay_keras_own():
     are untouched."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     accumulating = _build("compiled")
-    plain = keras.Model(*utils.mlp_layers())
-    plain.compile(optimizer=_inner(), loss=_loss())
+    plain = utils.plain_model()
+    plain.compile(optimizer=_inner(), loss=utils.sparse_ce())
     x, y = utils.classification_data(CYCLE)
     for model in (accumulating, plain):
-        _fit(model, x, y)
+        utils.fit(model, x, y, B)
     assert type(plain.optimizer) is LSO
     assert type(accumulating.optimizer) is not LSO
     assert isinstance(accumulating.optimizer, LSO)
@@ -344,20 +327,21 @@ def test_static_loss_scale_factor_of_the_wrapped_optimizer(policy):
     the factor of the optimizer its LossScaleOptimizer wraps)."""
     x, y = utils.classification_data(2 * CYCLE)
     keras.mixed_precision.set_global_policy(policy)
-    reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    reference = utils.seeded(utils.plain_model)
     reference.compile(
-        optimizer=keras.optimizers.SGD(LR, loss_scale_factor=128.0), loss=_loss()
+        optimizer=keras.optimizers.SGD(LR, loss_scale_factor=128.0),
+        loss=utils.sparse_ce(),
     )
     initial = utils.weights(reference)
     reference.fit(x, y, batch_size=CYCLE, shuffle=False, verbose=0)
-    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    model = utils.seeded(utils.plain_model)
     model.compile(
         optimizer=GradientAccumulateOptimizer(
             keras.optimizers.SGD(LR, loss_scale_factor=128.0), K
         ),
-        loss=_loss(),
+        loss=utils.sparse_ce(),
     )
-    _fit(model, x, y)
+    utils.fit(model, x, y, B)
     utils.assert_trained(initial, utils.weights(reference), min_change=1e-2)
     atol = utils.ATOL if policy == "float32" else F16_ATOL
     utils.report(

@@ -14,36 +14,11 @@ import pytest
 import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
-from gradient_accumulator import GradientAccumulateModel
 from tests import utils
 
 B = 8  # micro-batch size
 K = 4  # accumulation steps
 EPOCHS = 2
-
-
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _plain():
-    return keras.Model(*utils.mlp_layers())
-
-
-def _accumulating(accum_steps: int = K):
-    def build():
-        inputs, outputs = utils.mlp_layers()
-        return GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs
-        )
-
-    return build
-
-
-def _fit(model, x, y, batch_size, epochs=EPOCHS):
-    return model.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0
-    )
 
 
 # ---------------------------------------------------------------------- XLA
@@ -55,18 +30,20 @@ def test_jit_compile_matches_big_batch():
     x, y = utils.classification_data(n)
     tf_config.disable_op_determinism()
     try:
-        reference = utils.seeded(_plain)
+        reference = utils.seeded(utils.plain_model)
         initial = utils.weights(reference)
-        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
-        _fit(reference, x, y, B * K)
+        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
+        utils.fit(reference, x, y, B * K, EPOCHS)
 
-        accumulated = utils.seeded(_accumulating())
+        accumulated = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
         assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
         accumulated.compile(
-            optimizer=keras.optimizers.Adam(0.01), loss=_loss(), jit_compile=True
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=utils.sparse_ce(),
+            jit_compile=True,
         )
         assert accumulated.jit_compile is True
-        _fit(accumulated, x, y, B)
+        utils.fit(accumulated, x, y, B, EPOCHS)
         assert accumulated.jit_compile is True
     finally:
         tf.config.experimental.enable_op_determinism()
@@ -87,18 +64,20 @@ def test_steps_per_execution_crosses_cycles():
     gives the big batch's weights and one update per cycle."""
     n = 96  # 12 micro-batches per epoch: 4 executions of 3, 3 cycles of 4
     x, y = utils.classification_data(n)
-    reference = utils.seeded(_plain)
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=_loss())
-    _fit(reference, x, y, B * K)
+    reference.compile(
+        optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss=utils.sparse_ce()
+    )
+    utils.fit(reference, x, y, B * K, EPOCHS)
 
-    accumulated = utils.seeded(_accumulating())
+    accumulated = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
     accumulated.compile(
         optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-        loss=_loss(),
+        loss=utils.sparse_ce(),
         steps_per_execution=3,
     )
-    _fit(accumulated, x, y, B)
+    utils.fit(accumulated, x, y, B, EPOCHS)
 
     utils.assert_trained(initial, utils.weights(reference))
     diff = utils.assert_same_weights(
@@ -116,15 +95,15 @@ def test_accum_steps_one_is_plain_keras_bit_for_bit():
     identical weights, iterations and logged losses."""
     n = 64
     x, y = utils.classification_data(n)
-    reference = utils.seeded(_plain)
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
-    expected = _fit(reference, x, y, B)
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
+    expected = utils.fit(reference, x, y, B, EPOCHS)
 
-    model = utils.seeded(_accumulating(accum_steps=1))
+    model = utils.seeded(lambda: utils.accumulating_model(accum_steps=1))
     assert model.accum_steps == 1
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
-    history = _fit(model, x, y, B)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
+    history = utils.fit(model, x, y, B, EPOCHS)
 
     utils.assert_trained(initial, utils.weights(reference))
     got, want = utils.weights(model), utils.weights(reference)
@@ -142,18 +121,22 @@ def test_logged_loss_and_metrics_are_unscaled(n):
     equal plain Keras at the micro-batch size: the logged loss is the real
     loss, not the loss divided by accum_steps."""
     x, y = utils.classification_data(n)
-    reference = utils.seeded(_plain)
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
     reference.compile(
-        optimizer=keras.optimizers.SGD(0.0), loss=_loss(), metrics=["accuracy"]
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=utils.sparse_ce(),
+        metrics=["accuracy"],
     )
-    expected = _fit(reference, x, y, B)
+    expected = utils.fit(reference, x, y, B, EPOCHS)
 
-    model = utils.seeded(_accumulating())
+    model = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
     model.compile(
-        optimizer=keras.optimizers.SGD(0.0), loss=_loss(), metrics=["accuracy"]
+        optimizer=keras.optimizers.SGD(0.0),
+        loss=utils.sparse_ce(),
+        metrics=["accuracy"],
     )
-    history = _fit(model, x, y, B)
+    history = utils.fit(model, x, y, B, EPOCHS)
 
     # The weights really are frozen, so both runs see the same model.
     assert utils.max_abs_diff(initial, utils.weights(model)) == 0.0

@@ -27,10 +27,6 @@ LR = 1e-2
 KINDS = ["model_wrapper", "optimizer_wrapper"]
 
 
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _build(kind: str) -> keras.Model:
     """A compiled model accumulating ``K`` micro-batches, with Adam inside."""
     inputs, outputs = utils.mlp_layers()
@@ -40,40 +36,28 @@ def _build(kind: str) -> keras.Model:
         model = GradientAccumulateModel(
             accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
         )
-        model.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+        model.compile(optimizer=keras.optimizers.Adam(LR), loss=utils.sparse_ce())
     else:
         model = keras.Model(inputs, outputs)
         model.compile(
             optimizer=GradientAccumulateOptimizer(
                 keras.optimizers.Adam(LR), accum_steps=K
             ),
-            loss=_loss(),
+            loss=utils.sparse_ce(),
         )
     return model
-
-
-def _accumulator(model: keras.Model):
-    if isinstance(model, GradientAccumulateModel):
-        return model._accumulator
-    return model.optimizer._accumulator
 
 
 def _data():
     return utils.classification_data(N)
 
 
-def _fit(model, x, y, epochs, **kwargs):
-    return model.fit(
-        x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0, **kwargs
-    )
-
-
 def _big_batch_reference(x, y, epochs: int):
     """Plain Keras on the big batch: ``epochs`` passes over the data, in order,
     cut into batches of ``B * K`` (cycles run across epoch boundaries)."""
-    reference = utils.seeded(_plain_mlp)
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+    reference.compile(optimizer=keras.optimizers.Adam(LR), loss=utils.sparse_ce())
     xs, ys = np.concatenate([x] * epochs), np.concatenate([y] * epochs)
     assert len(xs) % (B * K) == 0
     reference.fit(xs, ys, batch_size=B * K, epochs=1, shuffle=False, verbose=0)
@@ -81,14 +65,9 @@ def _big_batch_reference(x, y, epochs: int):
     return reference
 
 
-def _plain_mlp() -> keras.Model:
-    inputs, outputs = utils.mlp_layers()
-    return keras.Model(inputs, outputs)
-
-
 def _uninterrupted(kind, x, y, epochs=EPOCHS):
     model = utils.seeded(lambda: _build(kind))
-    _fit(model, x, y, epochs)
+    utils.fit(model, x, y, B, epochs)
     return model
 
 
@@ -122,7 +101,7 @@ def test_model_wrapper_keras_file_round_trip(tmp_path):
         accum_steps=3, use_agc=True, clip_factor=0.05, eps=1e-2,
         inputs=inputs, outputs=outputs,
     )  # fmt: skip
-    model.compile(optimizer="adam", loss=_loss())
+    model.compile(optimizer="adam", loss=utils.sparse_ce())
     model.optimizer.build(model.trainable_variables)  # save its state too
     config = model.get_config()
     assert config["accum_steps"] == 3
@@ -146,7 +125,7 @@ def test_optimizer_wrapper_keras_file_round_trip(tmp_path):
     """A plain model compiled with GradientAccumulateOptimizer loads, without
     custom_objects, with a GradientAccumulateOptimizer of the same accum_steps,
     reduction, inner optimizer type and learning rate."""
-    model = _plain_mlp()
+    model = utils.plain_model()
     model.compile(
         optimizer=GradientAccumulateOptimizer(
             keras.optimizers.AdamW(0.003, weight_decay=0.02),
@@ -154,7 +133,7 @@ def test_optimizer_wrapper_keras_file_round_trip(tmp_path):
             reduction="SUM",
             clipnorm=0.5,
         ),
-        loss=_loss(),
+        loss=utils.sparse_ce(),
     )
     model.optimizer.build(model.trainable_variables)  # save its state too
     path = tmp_path / "m.keras"
@@ -178,8 +157,8 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(kind, tmp_path):
     run's weights."""
     x, y = _data()
     model = utils.seeded(lambda: _build(kind))
-    _fit(model, x, y, epochs=2)  # 6 micro-batches: 1 update + 2 pending
-    state = _accumulator(model)
+    utils.fit(model, x, y, B, epochs=2)  # 6 micro-batches: 1 update + 2 pending
+    state = utils.accumulator(model)
     assert int(state.micro_step) == 2
     assert int(model.optimizer.iterations) == 1
 
@@ -188,7 +167,7 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(kind, tmp_path):
     loaded = keras.models.load_model(path)
     assert type(loaded) is type(model)
     assert type(loaded.optimizer) is type(model.optimizer)
-    loaded_state = _accumulator(loaded)
+    loaded_state = utils.accumulator(loaded)
     assert loaded_state.accum_steps == K
     assert int(loaded_state.micro_step) == 2
     assert float(loaded_state.weight_sum) == float(state.weight_sum) > 0
@@ -196,7 +175,7 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(kind, tmp_path):
         np.testing.assert_array_equal(np.asarray(restored), np.asarray(saved))
     assert int(loaded.optimizer.iterations) == 1
 
-    _fit(loaded, x, y, epochs=EPOCHS - 2)
+    utils.fit(loaded, x, y, B, epochs=EPOCHS - 2)
     _assert_resumed_correctly(
         loaded, _uninterrupted(kind, x, y), _big_batch_reference(x, y, EPOCHS)
     )
@@ -222,21 +201,21 @@ def test_tf_checkpoint_mid_cycle_resumes_exactly(kind, tmp_path):
     trained on: equals the uninterrupted run (nothing accumulated is lost)."""
     x, y = _data()
     model = utils.seeded(lambda: _build(kind))
-    _fit(model, x, y, epochs=2)
-    assert int(_accumulator(model).micro_step) == 2
+    utils.fit(model, x, y, B, epochs=2)
+    assert int(utils.accumulator(model).micro_step) == 2
     path = _checkpoint(model).save(str(tmp_path / "ckpt"))
 
     fresh = _fresh(kind)
-    assert int(_accumulator(fresh).micro_step) == 0
+    assert int(utils.accumulator(fresh).micro_step) == 0
     _checkpoint(fresh).restore(path).assert_consumed()
-    assert int(_accumulator(fresh).micro_step) == 2
-    assert float(_accumulator(fresh).weight_sum) == float(
-        _accumulator(model).weight_sum
+    assert int(utils.accumulator(fresh).micro_step) == 2
+    assert float(utils.accumulator(fresh).weight_sum) == float(
+        utils.accumulator(model).weight_sum
     )
     assert int(fresh.optimizer.iterations) == 1
     utils.assert_same_weights(utils.weights(fresh), utils.weights(model), 0.0)
 
-    _fit(fresh, x, y, epochs=EPOCHS - 2)
+    utils.fit(fresh, x, y, B, epochs=EPOCHS - 2)
     _assert_resumed_correctly(
         fresh, _uninterrupted(kind, x, y), _big_batch_reference(x, y, EPOCHS)
     )
@@ -249,14 +228,14 @@ def test_tf_checkpoint_without_pending_buffers_would_differ(kind, tmp_path):
     test really depends on the saved buffers."""
     x, y = _data()
     model = utils.seeded(lambda: _build(kind))
-    _fit(model, x, y, epochs=2)
+    utils.fit(model, x, y, B, epochs=2)
     path = _checkpoint(model).save(str(tmp_path / "ckpt"))
 
     fresh = _fresh(kind)
     _checkpoint(fresh).restore(path).assert_consumed()
-    for variable in _accumulator(fresh).variables:  # drop the pending cycle
+    for variable in utils.accumulator(fresh).variables:  # drop the pending cycle
         variable.assign(np.zeros(variable.shape, variable.dtype))
-    _fit(fresh, x, y, epochs=EPOCHS - 2)
+    utils.fit(fresh, x, y, B, epochs=EPOCHS - 2)
     uninterrupted = _uninterrupted(kind, x, y)
     diff = utils.max_abs_diff(utils.weights(fresh), utils.weights(uninterrupted))
     assert diff > 1e-3, diff
@@ -289,10 +268,11 @@ def _interrupt_and_resume(build, x, y, backup_dir: str):
     backup. Returns the interrupted model, the resumed one and its history."""
     model = utils.seeded(build)
     with pytest.raises(_Interrupt):
-        _fit(
+        utils.fit(
             model,
             x,
             y,
+            B,
             EPOCHS,
             callbacks=[
                 keras.callbacks.BackupAndRestore(backup_dir),
@@ -300,8 +280,13 @@ def _interrupt_and_resume(build, x, y, backup_dir: str):
             ],
         )
     resumed = utils.seeded(build, seed=123)
-    history = _fit(
-        resumed, x, y, EPOCHS, callbacks=[keras.callbacks.BackupAndRestore(backup_dir)]
+    history = utils.fit(
+        resumed,
+        x,
+        y,
+        B,
+        EPOCHS,
+        callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
     )
     return model, resumed, history
 
@@ -316,7 +301,7 @@ def test_backup_and_restore_resumes_partial_cycle(kind, tmp_path):
         lambda: _build(kind), x, y, str(tmp_path / "backup")
     )
     # The interrupted run went past the backup (epoch 2, batches 0-1 ran).
-    assert int(_accumulator(model).micro_step) == 0
+    assert int(utils.accumulator(model).micro_step) == 0
     assert int(model.optimizer.iterations) == 2
     assert len(history.history["loss"]) == EPOCHS - 2  # resumed at epoch 2
     _assert_resumed_correctly(
@@ -334,10 +319,11 @@ def test_backup_and_restore_batch_frequency_saves_pending_state(kind, tmp_path):
 
     model = utils.seeded(lambda: _build(kind))
     with pytest.raises(_Interrupt):
-        _fit(
+        utils.fit(
             model,
             x,
             y,
+            B,
             EPOCHS,
             callbacks=[
                 # 5 batches: the backup happens after micro-batch 5 (mid-cycle)
@@ -345,13 +331,13 @@ def test_backup_and_restore_batch_frequency_saves_pending_state(kind, tmp_path):
                 _InterruptAt(epoch=1, batch=1),  # right after micro-batch 5
             ],
         )
-    state = _accumulator(model)
+    state = utils.accumulator(model)
     assert int(state.micro_step) == 1
     assert int(model.optimizer.iterations) == 1
 
     restored = _fresh(kind)
     restored.load_weights(backup_dir / "latest.weights.h5")
-    restored_state = _accumulator(restored)
+    restored_state = utils.accumulator(restored)
     assert int(restored_state.micro_step) == 1
     assert float(restored_state.weight_sum) == float(state.weight_sum) > 0
     for live, saved in zip(state.grad_sums, restored_state.grad_sums):
@@ -382,13 +368,13 @@ def _build_subclassed(x=None) -> StateNet:
     model = StateNet()
     if x is not None:
         model(x[:1])
-    model.compile(optimizer=keras.optimizers.Adam(LR), loss=_loss())
+    model.compile(optimizer=keras.optimizers.Adam(LR), loss=utils.sparse_ce())
     return model
 
 
 def _subclassed_uninterrupted(x, y):
     model = utils.seeded(lambda: _build_subclassed(x))
-    _fit(model, x, y, EPOCHS)
+    utils.fit(model, x, y, B, EPOCHS)
     return model
 
 
@@ -398,8 +384,10 @@ def test_subclassed_model_wrapper_trains_when_fit_builds_it():
     and trains like the big batch."""
     x, y = _data()
     model = utils.seeded(_build_subclassed)  # not built
-    _fit(model, x, y, EPOCHS)
-    assert len(_accumulator(model).grad_sums) == len(model.trainable_variables) == 4
+    utils.fit(model, x, y, B, EPOCHS)
+    assert (
+        len(utils.accumulator(model).grad_sums) == len(model.trainable_variables) == 4
+    )
     utils.assert_same_weights(
         utils.weights(model), utils.weights(_big_batch_reference(x, y, EPOCHS))
     )
@@ -411,14 +399,14 @@ def test_subclassed_model_wrapper_tf_checkpoint_resumes_exactly(tmp_path):
     first train step and restored then): continues to the uninterrupted run."""
     x, y = _data()
     model = utils.seeded(lambda: _build_subclassed(x))
-    _fit(model, x, y, epochs=2)
-    assert int(_accumulator(model).micro_step) == 2
+    utils.fit(model, x, y, B, epochs=2)
+    assert int(utils.accumulator(model).micro_step) == 2
     path = _checkpoint(model).save(str(tmp_path / "ckpt"))
 
     fresh = utils.seeded(lambda: _build_subclassed(x), seed=123)
     fresh.optimizer.build(fresh.trainable_variables)
     _checkpoint(fresh).restore(path).assert_existing_objects_matched()
-    _fit(fresh, x, y, epochs=EPOCHS - 2)
+    utils.fit(fresh, x, y, B, epochs=EPOCHS - 2)
     _assert_resumed_correctly(
         fresh, _subclassed_uninterrupted(x, y), _big_batch_reference(x, y, EPOCHS)
     )
@@ -432,16 +420,16 @@ def test_subclassed_model_wrapper_keras_file_saved_mid_cycle_resumes_exactly(
     to the uninterrupted run's weights."""
     x, y = _data()
     model = utils.seeded(lambda: _build_subclassed(x))
-    _fit(model, x, y, epochs=2)
-    assert int(_accumulator(model).micro_step) == 2
+    utils.fit(model, x, y, B, epochs=2)
+    assert int(utils.accumulator(model).micro_step) == 2
     path = tmp_path / "m.keras"
     model.save(path)
 
     loaded = keras.models.load_model(path)
     assert type(loaded) is StateNet
     assert loaded.accum_steps == K
-    assert int(_accumulator(loaded).micro_step) == 2
-    _fit(loaded, x, y, epochs=EPOCHS - 2)
+    assert int(utils.accumulator(loaded).micro_step) == 2
+    utils.fit(loaded, x, y, B, epochs=EPOCHS - 2)
     _assert_resumed_correctly(
         loaded, _subclassed_uninterrupted(x, y), _big_batch_reference(x, y, EPOCHS)
     )

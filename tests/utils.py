@@ -8,6 +8,8 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+
 # float32 with deterministic ops: accumulation reorders sums, nothing more.
 ATOL = 2e-5
 
@@ -27,6 +29,20 @@ def mlp_layers(inputs_dim: int = 8, classes: int = 3):
     return inputs, outputs
 
 
+def plain_model(layers: Callable = mlp_layers) -> keras.Model:
+    """A plain ``keras.Model`` over ``layers()`` (by default the small MLP)."""
+    return keras.Model(*layers())
+
+
+def accumulating_model(
+    layers: Callable = mlp_layers, **kwargs
+) -> GradientAccumulateModel:
+    """``GradientAccumulateModel(**kwargs)`` over ``layers()`` (by default the
+    small MLP)."""
+    inputs, outputs = layers()
+    return GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
+
+
 def cnn_layers(shape=(8, 8, 1), classes: int = 3):
     inputs = keras.Input(shape)
     h = keras.layers.Conv2D(4, 3, activation="relu")(inputs)
@@ -41,6 +57,30 @@ def classification_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int =
     x = rng.normal(size=(n, dim)).astype("float32")
     y = rng.integers(0, classes, size=n)
     return x, y
+
+
+def sparse_ce(**kwargs) -> keras.losses.Loss:
+    """Sparse categorical cross-entropy on logits, the loss most tests use."""
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
+
+
+def fit(model: keras.Model, x, y, batch_size: int, epochs: int = 1, **kwargs):
+    """``model.fit`` in data order (``shuffle=False``) and silently; returns
+    the history."""
+    return model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
+    )
+
+
+def accumulator(model: keras.Model):
+    """The accumulation state of ``model``: its own, or that of the
+    ``GradientAccumulateOptimizer`` in its chain of optimizers."""
+    if isinstance(model, GradientAccumulateModel):
+        return model._accumulator
+    optimizer = model.optimizer
+    while not isinstance(optimizer, GradientAccumulateOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer._accumulator
 
 
 def weights(model: keras.Model) -> list[np.ndarray]:
