@@ -91,6 +91,36 @@ def test_epoch_benchmark_quick_prints_table_and_targets():
     )
 
 
+def test_step_ops_benchmark_quick_prints_its_tables():
+    result = run_script("benchmarks/step_ops.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    assert_quiet(result)
+    lines = result.stdout.splitlines()
+    header = "| variant | fit batch | traced ops | of which in branches/loops |"
+    assert any(line.startswith(header) for line in lines), describe(result)
+    integer, number = r"[0-9]+", r"[0-9]+\.[0-9]+"
+    for variant in (
+        "plain-micro",
+        "keras-builtin",
+        "ours-model",
+        "ours-in-step",
+        "ours-optimizer",
+    ):
+        # Counts first, then kernel ms, ms/update and the two ratios.
+        row = re.compile(
+            rf"^\| {variant} \| {integer}( \| {integer}){{5}} \| [^|]+ "
+            rf"\| {integer}( \| {number}){{4}} \|$"
+        )
+        assert any(row.match(line) for line in lines), describe(result)
+        host = re.compile(rf"^\| {variant} \| [^|]+ \| [^|]+ \| [^|]+ \|$")
+        assert any(host.match(line) for line in lines), describe(result)
+    difference = "| op type | traced: ours-model | traced: keras-builtin | diff |"
+    assert any(line.startswith(difference) for line in lines), describe(result)
+    assert any(line.startswith("| all | ") for line in lines), describe(result)
+    estimate = "ours-model - keras-builtin, per update: "
+    assert any(line.startswith(estimate) for line in lines), describe(result)
+
+
 def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
     """The benchmark's probe times what it says: the model wrapper without its
     finite check. A NaN in the first micro-batch reaches the probe's weights
