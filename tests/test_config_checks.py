@@ -24,9 +24,9 @@ KERAS_CLIP_MESSAGE = "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"
 
 
 def _model(**kwargs) -> GradientAccumulateModel:
-    keras.utils.set_random_seed(0)
-    inputs, outputs = utils.mlp_layers()
-    return GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
+    """The accumulating MLP built with seed 0: reproducible weights, the same
+    as those of the seeded plain MLP."""
+    return utils.seeded(lambda: utils.accumulating_model(**kwargs))
 
 
 # ---------------------------------------------------------------- clipping
@@ -156,7 +156,7 @@ def test_model_compile_still_accepts_plain_optimizers():
         model = _model(accum_steps=4)
         model.compile(
             optimizer=optimizer,
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            loss=utils.sparse_ce(),
         )
         model.fit(x, y, batch_size=8, verbose=0)
         assert int(model.optimizer.iterations) == 1
@@ -210,13 +210,13 @@ def test_largest_accum_steps_trains(wrapper):
     """The documented maximum fits the counters: training with it runs, and no
     update happens within the (very long) first cycle."""
     x, y = utils.classification_data(n=16)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    loss = utils.sparse_ce()
     if wrapper == "model":
         # flush_at_end=False: fit would otherwise apply the partial cycle.
         model = _model(accum_steps=MAX_ACCUM_STEPS, flush_at_end=False)
         model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss)
     else:
-        model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+        model = utils.seeded(utils.plain_model)
         opt = GradientAccumulateOptimizer(keras.optimizers.SGD(0.5), MAX_ACCUM_STEPS)
         model.compile(optimizer=opt, loss=loss)
     before = utils.weights(model)

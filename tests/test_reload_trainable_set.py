@@ -167,27 +167,20 @@ N = 24  # samples: three micro-batches of 8
 MB = 8
 
 
-def _mlp(accumulating: bool) -> keras.Model:
-    inputs, outputs = utils.mlp_layers()
-    if accumulating:
-        return GradientAccumulateModel(
-            accum_steps=2, flush_at_end=False, inputs=inputs, outputs=outputs
-        )
-    return keras.Model(inputs, outputs)
+def _ours() -> GradientAccumulateModel:
+    """Two micro-batches a cycle; a partial one stays pending after fit."""
+    return utils.accumulating_model(accum_steps=2, flush_at_end=False)
 
 
 def _compile(model):
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-2),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
 
 
 def _saved_mid_cycle(tmp_path):
     """Ours after 3 micro-batches (one update, one pending) and plain Keras
     after the same update, both saved; the files' paths."""
     x, y = utils.classification_data(N)
-    ours, plain = utils.seeded(lambda: _mlp(True)), utils.seeded(lambda: _mlp(False))
+    ours, plain = utils.seeded(_ours), utils.seeded(utils.plain_model)
     _compile(ours)
     _compile(plain)
     ours.fit(x, y, batch_size=MB, shuffle=False, verbose=0)
@@ -236,13 +229,13 @@ def test_weights_file_for_other_trainables_loads_with_a_warning(tmp_path):
     """``load_weights`` into a model that trains fewer variables than the
     file's state was built for: the weights load, the cycle is dropped."""
     x, y = utils.classification_data(N)
-    ours = utils.seeded(lambda: _mlp(True))
+    ours = utils.seeded(_ours)
     _compile(ours)
     ours.fit(x, y, batch_size=MB, shuffle=False, verbose=0)
     assert ours._accumulator.pending == 1
     ours.save_weights(tmp_path / "ours.weights.h5")
 
-    frozen = utils.seeded(lambda: _mlp(True), seed=1)
+    frozen = utils.seeded(_ours, seed=1)
     _freeze_first(frozen)
     _compile(frozen)
     frozen.fit(x[:MB], y[:MB], batch_size=MB, verbose=0)  # builds its state
@@ -252,6 +245,6 @@ def test_weights_file_for_other_trainables_loads_with_a_warning(tmp_path):
     utils.assert_same_weights(
         [np.asarray(w) for w in frozen.weights], [np.asarray(w) for w in ours.weights]
     )
-    plain = utils.seeded(lambda: _mlp(False), seed=2)
+    plain = utils.seeded(utils.plain_model, seed=2)
     plain.load_weights(tmp_path / "ours.weights.h5")
     _assert_same_models(plain, ours)

@@ -10,7 +10,7 @@ import textwrap
 import keras
 import pytest
 
-from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator import GradientAccumulateOptimizer
 from tests import utils
 
 BAD_ACCUM_STEPS = [
@@ -24,17 +24,12 @@ BAD_ACCUM_STEPS = [
 ]
 
 
-def _model(**kwargs) -> GradientAccumulateModel:
-    inputs, outputs = utils.mlp_layers()
-    return GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
-
-
 # ------------------------------------------------------------ accum_steps
 @pytest.mark.parametrize(("accum_steps", "error"), BAD_ACCUM_STEPS)
 def test_model_rejects_bad_accum_steps(accum_steps, error):
     """GradientAccumulateModel rejects a non-int or < 1 accum_steps by name."""
     with pytest.raises(error, match="accum_steps"):
-        _model(accum_steps=accum_steps)
+        utils.accumulating_model(accum_steps=accum_steps)
 
 
 @pytest.mark.parametrize(("accum_steps", "error"), BAD_ACCUM_STEPS)
@@ -56,8 +51,8 @@ def test_valid_accum_steps_are_accepted():
     rejecting everything."""
     import numpy as np
 
-    assert _model(accum_steps=1).accum_steps == 1
-    assert _model(accum_steps=np.int64(3)).accum_steps == 3
+    assert utils.accumulating_model(accum_steps=1).accum_steps == 1
+    assert utils.accumulating_model(accum_steps=np.int64(3)).accum_steps == 3
     assert GradientAccumulateOptimizer("sgd", accum_steps=np.int32(5)).accum_steps == 5
 
 
@@ -112,7 +107,7 @@ def test_rejects_bad_agc_arguments(wrapper, kwargs, error, name):
     """Adaptive-clipping arguments are validated at construction, by name."""
     with pytest.raises(error, match=name):
         if wrapper == "model":
-            _model(accum_steps=2, **kwargs)
+            utils.accumulating_model(accum_steps=2, **kwargs)
         else:
             GradientAccumulateOptimizer("sgd", accum_steps=2, **kwargs)
 
@@ -134,10 +129,12 @@ def test_model_accepts_deprecated_keywords_with_warning():
     """mixed_precision=True / experimental_distributed_support=True are accepted
     by the model wrapper with a DeprecationWarning."""
     with pytest.warns(DeprecationWarning, match="mixed_precision"):
-        model = _model(accum_steps=2, mixed_precision=True)
+        model = utils.accumulating_model(accum_steps=2, mixed_precision=True)
     assert model.accum_steps == 2
     with pytest.warns(DeprecationWarning, match="experimental_distributed_support"):
-        model = _model(accum_steps=2, experimental_distributed_support=True)
+        model = utils.accumulating_model(
+            accum_steps=2, experimental_distributed_support=True
+        )
     assert model.accum_steps == 2
 
 
