@@ -22,10 +22,8 @@ K = 4  # accumulation steps
 N = 64  # samples: a multiple of B * K, so cycles and big batches line up
 EPOCHS = 2
 UPDATES = EPOCHS * N // (B * K)
-
-
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# How utils.train_pair trains the two models in every test here.
+PAIR = {"batch_size": B, "accum_steps": K, "epochs": EPOCHS}
 
 
 def _mlp_data(n: int = N):
@@ -45,48 +43,6 @@ ARCHITECTURES = {
 }
 
 
-def _train_pair(
-    layers,
-    make_optimizer,
-    x,
-    y,
-    *,
-    epochs: int = EPOCHS,
-    make_reference_optimizer=None,
-):
-    """Trains plain Keras on the big batch and the accumulating model on
-    micro-batches from the same initial weights.
-
-    Returns (initial weights, reference, accumulated)."""
-    reference = utils.seeded(lambda: keras.Model(*layers()))
-    initial = utils.weights(reference)
-    reference.compile(
-        optimizer=(make_reference_optimizer or make_optimizer)(), loss=_loss()
-    )
-    reference.fit(x, y, batch_size=B * K, epochs=epochs, shuffle=False, verbose=0)
-
-    def build_accumulating():
-        inputs, outputs = layers()
-        return GradientAccumulateModel(accum_steps=K, inputs=inputs, outputs=outputs)
-
-    accumulated = utils.seeded(build_accumulating)
-    assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
-    accumulated.compile(optimizer=make_optimizer(), loss=_loss())
-    accumulated.fit(x, y, batch_size=B, epochs=epochs, shuffle=False, verbose=0)
-    return initial, reference, accumulated
-
-
-def _assert_equivalent(initial, reference, accumulated, updates=UPDATES) -> float:
-    utils.assert_trained(initial, utils.weights(reference))
-    utils.assert_trained(initial, utils.weights(accumulated))
-    diff = utils.assert_same_weights(
-        utils.weights(accumulated), utils.weights(reference)
-    )
-    assert int(reference.optimizer.iterations) == updates
-    assert int(accumulated.optimizer.iterations) == updates
-    return utils.report(diff)
-
-
 # ------------------------------------------------------------- optimizers
 OPTIMIZERS = {
     "sgd": lambda: keras.optimizers.SGD(0.1),
@@ -103,8 +59,10 @@ def test_optimizer_matches_big_batch(architecture, optimizer):
     cycle, for SGD, momentum, Adam and AdamW on an MLP and a CNN."""
     layers, data = ARCHITECTURES[architecture]
     x, y = data()
-    initial, reference, accumulated = _train_pair(layers, OPTIMIZERS[optimizer], x, y)
-    _assert_equivalent(initial, reference, accumulated)
+    initial, reference, accumulated = utils.train_pair(
+        layers, OPTIMIZERS[optimizer], x, y, **PAIR
+    )
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
 
 # ---------------------------------------------------- learning-rate schedules
@@ -127,10 +85,10 @@ def test_learning_rate_schedule_advances_once_per_update(schedule):
     """A learning-rate schedule is evaluated at the update count, not the
     micro-batch count: weights and the final learning rate match."""
     x, y = _mlp_data()
-    initial, reference, accumulated = _train_pair(
-        utils.mlp_layers, SCHEDULES[schedule], x, y
+    initial, reference, accumulated = utils.train_pair(
+        utils.mlp_layers, SCHEDULES[schedule], x, y, **PAIR
     )
-    _assert_equivalent(initial, reference, accumulated)
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
     np.testing.assert_allclose(
         float(accumulated.optimizer.learning_rate),
         float(reference.optimizer.learning_rate),
@@ -146,12 +104,14 @@ def test_ema_weights_match_big_batch():
     def ema():
         return keras.optimizers.Adam(0.02, use_ema=True, ema_momentum=0.5)
 
-    initial, reference, accumulated = _train_pair(utils.mlp_layers, ema, x, y)
-    _assert_equivalent(initial, reference, accumulated)
+    initial, reference, accumulated = utils.train_pair(
+        utils.mlp_layers, ema, x, y, **PAIR
+    )
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
     # Non-vacuity: EMA changed the outcome compared with no EMA.
-    plain = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
-    plain.compile(optimizer=keras.optimizers.Adam(0.02), loss=_loss())
+    plain = utils.seeded(utils.plain_model)
+    plain.compile(optimizer=keras.optimizers.Adam(0.02), loss=utils.sparse_ce())
     plain.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
     assert utils.max_abs_diff(utils.weights(plain), utils.weights(reference)) > 1e-3
 
@@ -173,12 +133,14 @@ def test_clipping_acts_on_accumulated_gradient(clip):
     def clipped():
         return keras.optimizers.SGD(0.5, **CLIPPING[clip])
 
-    initial, reference, accumulated = _train_pair(utils.mlp_layers, clipped, x, y)
-    _assert_equivalent(initial, reference, accumulated)
+    initial, reference, accumulated = utils.train_pair(
+        utils.mlp_layers, clipped, x, y, **PAIR
+    )
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
     # Non-vacuity: the clip value is small enough that clipping triggered.
-    unclipped = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
-    unclipped.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss())
+    unclipped = utils.seeded(utils.plain_model)
+    unclipped.compile(optimizer=keras.optimizers.SGD(0.5), loss=utils.sparse_ce())
     unclipped.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
     change = utils.max_abs_diff(utils.weights(unclipped), utils.weights(reference))
     assert change > 1e-3, f"clipping did not trigger (diff {change:.3g})"
@@ -202,10 +164,10 @@ def test_embedding_sparse_gradients_with_momentum():
     rng = np.random.default_rng(2)
     x = rng.integers(0, VOCAB, size=(N, 6)).astype("int32")
     y = rng.integers(0, 3, size=N)
-    initial, reference, accumulated = _train_pair(
-        _embedding_layers, lambda: keras.optimizers.SGD(0.5, momentum=0.9), x, y
+    initial, reference, accumulated = utils.train_pair(
+        _embedding_layers, lambda: keras.optimizers.SGD(0.5, momentum=0.9), x, y, **PAIR
     )
-    _assert_equivalent(initial, reference, accumulated)
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
 
 # ----------------------------------------------------------- subclassing
@@ -252,12 +214,12 @@ def test_subclassed_model_matches_plain_subclass():
 
     reference = utils.seeded(lambda: built(PlainNet))
     initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+    reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
     reference.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
 
     accumulated = utils.seeded(lambda: built(AccumulatingNet))
     assert accumulated.accum_steps == K
     assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
-    accumulated.compile(optimizer=keras.optimizers.Adam(0.01), loss=_loss())
+    accumulated.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
     accumulated.fit(x, y, batch_size=B, epochs=EPOCHS, shuffle=False, verbose=0)
-    _assert_equivalent(initial, reference, accumulated)
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)

@@ -114,3 +114,54 @@ def assert_trained(before, after, min_change: float = 1e-4) -> None:
     """Guards equivalence tests against comparing two untouched models."""
     change = max_abs_diff(before, after)
     assert change > min_change, f"weights moved by only {change:.3g}"
+
+
+def train_pair(
+    layers: Callable,
+    make_optimizer: Callable,
+    x,
+    y,
+    *,
+    batch_size: int,
+    accum_steps: int,
+    epochs: int,
+    reference_batch: int | None = None,
+    sample_weight=None,
+    make_loss: Callable = sparse_ce,
+    compile_kwargs: dict | None = None,
+):
+    """Trains plain Keras with ``batch_size=reference_batch`` (by default
+    ``batch_size * accum_steps``) and ``GradientAccumulateModel(accum_steps)``
+    with ``batch_size``, from the same seeded weights.
+
+    Returns (initial weights, reference, accumulated)."""
+    compile_kwargs = compile_kwargs or {}
+    run = {"sample_weight": sample_weight, "epochs": epochs}
+    reference = seeded(lambda: plain_model(layers))
+    initial = weights(reference)
+    reference.compile(optimizer=make_optimizer(), loss=make_loss(), **compile_kwargs)
+    if reference_batch is None:
+        reference_batch = batch_size * accum_steps
+    fit(reference, x, y, reference_batch, **run)
+
+    accumulated = seeded(lambda: accumulating_model(layers, accum_steps=accum_steps))
+    assert max_abs_diff(initial, weights(accumulated)) == 0.0
+    accumulated.compile(optimizer=make_optimizer(), loss=make_loss(), **compile_kwargs)
+    fit(accumulated, x, y, batch_size, **run)
+    return initial, reference, accumulated
+
+
+def assert_equivalent(
+    initial, reference, accumulated, updates: int, *, accumulated_moved: bool = True
+) -> float:
+    """Asserts that training moved the weights (the reference's, and the
+    accumulated model's unless ``accumulated_moved=False``), that the
+    accumulated model matches the reference and that both made ``updates``
+    updates; reports and returns the max difference."""
+    assert_trained(initial, weights(reference))
+    if accumulated_moved:
+        assert_trained(initial, weights(accumulated))
+    diff = assert_same_weights(weights(accumulated), weights(reference))
+    assert int(reference.optimizer.iterations) == updates
+    assert int(accumulated.optimizer.iterations) == updates
+    return report(diff)
