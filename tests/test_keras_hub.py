@@ -99,9 +99,7 @@ def _adamw():
 
 
 def _per_token_loss():
-    return keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction="mean_with_sample_weight"
-    )
+    return utils.sparse_ce(reduction="mean_with_sample_weight")
 
 
 def _train(model, texts, batch_size: int, optimizer=None, **compile_kwargs):
@@ -133,9 +131,7 @@ def test_loss_denominators_default_is_batch_times_length_per_token_is_tokens():
     assert per_micro.max() >= 2 * per_micro.min(), per_micro
 
     def losses(reduction):
-        loss = keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction=reduction
-        )
+        loss = utils.sparse_ce(reduction=reduction)
         big = float(loss(y, logits, sample_weight=sample_weight))
         micro = np.array(
             [
@@ -146,7 +142,7 @@ def test_loss_denominators_default_is_batch_times_length_per_token_is_tokens():
         return big, micro
 
     total, _ = losses("sum")
-    default = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    default = utils.sparse_ce()
     big, micro = losses(default.reduction)
     np.testing.assert_allclose(big, total / (B * K * LENGTH), rtol=1e-6)
     np.testing.assert_allclose(big, micro.mean(), rtol=1e-6)
