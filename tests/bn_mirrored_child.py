@@ -35,7 +35,8 @@ from gradient_accumulator import (  # noqa: E402
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )
-from tests.test_batch_norm import heterogeneous  # noqa: E402
+from tests.test_batch_norm import heterogeneous, moving_stats  # noqa: E402
+from tests.utils import max_abs_diff, weights  # noqa: E402
 
 ACCUM, GLOBAL_MICRO, CYCLES, MOMENTUM = 2, 8, 2, 0.5
 
@@ -50,14 +51,6 @@ def build(cls, synchronized=False, layer_steps=None, **kwargs):
     return cls(inputs=inputs, outputs=outputs, **kwargs)
 
 
-def moving(layer):
-    return [np.asarray(layer.moving_mean), np.asarray(layer.moving_variance)]
-
-
-def diff(a, b):
-    return max(float(np.max(np.abs(u - v))) for u, v in zip(a, b))
-
-
 def main():
     x = heterogeneous(ACCUM * CYCLES, GLOBAL_MICRO, (4,))
     y = np.random.default_rng(1).normal(size=(len(x), 2)).astype("float32")
@@ -65,7 +58,7 @@ def main():
     big = ACCUM * GLOBAL_MICRO
     for start in range(0, len(x), big):
         reference(x[start : start + big], training=True)
-    expected = moving(reference)
+    expected = moving_stats(reference)
 
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     result = {"replicas": strategy.num_replicas_in_sync}
@@ -81,7 +74,7 @@ def main():
             model = build(GradientAccumulateModel, synchronized, accum_steps=ACCUM)
             fit(model, keras.optimizers.SGD(0.1))
         trained[name] = model
-        result[f"{name}_stats"] = diff(moving(model.layers[1]), expected)
+        result[f"{name}_stats"] = max_abs_diff(moving_stats(model.layers[1]), expected)
 
     with strategy.scope():
         model = build(keras.Model, layer_steps=ACCUM)
@@ -89,15 +82,15 @@ def main():
             model,
             GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=ACCUM),
         )
-    result["optimizer_stats"] = diff(moving(model.layers[1]), expected)
+    result["optimizer_stats"] = max_abs_diff(moving_stats(model.layers[1]), expected)
 
     # One device, whole global micro-batches: what synchronized=True computes.
     single = build(GradientAccumulateModel, accum_steps=ACCUM)
     fit(single, keras.optimizers.SGD(0.1))
-    single_weights = [np.asarray(w) for w in single.trainable_weights]
+    single_weights = weights(single)
 
     def weights_diff(model):
-        return diff([np.asarray(w) for w in model.trainable_weights], single_weights)
+        return max_abs_diff(weights(model), single_weights)
 
     result["model_synchronized_weights"] = weights_diff(trained["model_synchronized"])
     result["model_local_vs_global_weights"] = weights_diff(trained["model"])
