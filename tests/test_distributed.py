@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests import dist_utils, dist_worker, utils
-from tests.processes import verdict
+from tests.processes import describe, run_script, verdict
 
 TIMEOUT = 420  # seconds per group of child processes
 RESUME_ATOL = 1e-6
@@ -229,40 +229,18 @@ def test_mwms_jit_compile_unsupported_on_cpu_for_plain_keras_too(mwms_probe):
 
 
 # ------------------------------------------------------ example and benchmark
-def _run_script(*args: str):
-    import subprocess
-    import sys
-
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=dist_utils.REPO,
-        env=dist_utils.child_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
-
-
-def _describe(result) -> str:
-    return (
-        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}"
-        f"\n--- stderr ---\n{result.stderr[-5000:]}"
-    )
-
-
 def test_distributed_example_quick_matches_big_batch():
     """examples/distributed.py launches its 2 MWMS workers on loopback and
     reports the weight difference against one-device big-batch Keras."""
     import re
 
-    result = _run_script("examples/distributed.py", "--quick")
-    assert result.returncode == 0, _describe(result)
+    result = run_script("examples/distributed.py", "--quick", timeout=TIMEOUT)
+    assert result.returncode == 0, describe(result)
     match = re.search(r"max \|w_accum - w_bigbatch\| = (\S+)", result.stdout)
-    assert match, _describe(result)
-    assert float(match.group(1)) <= utils.ATOL, _describe(result)
-    assert "optimizer updates: 4" in result.stdout, _describe(result)
-    assert verdict(result).startswith("OK: accumulation under Multi"), _describe(result)
+    assert match, describe(result)
+    assert float(match.group(1)) <= utils.ATOL, describe(result)
+    assert "optimizer updates: 4" in result.stdout, describe(result)
+    assert verdict(result).startswith("OK: accumulation under Multi"), describe(result)
 
 
 def test_distributed_benchmark_quick_prints_counted_table():
@@ -271,8 +249,8 @@ def test_distributed_benchmark_quick_prints_counted_table():
     accum_steps (8) for the naive step. Timings are never asserted."""
     import re
 
-    result = _run_script("benchmarks/distributed.py", "--quick")
-    assert result.returncode == 0, _describe(result)
+    result = run_script("benchmarks/distributed.py", "--quick", timeout=TIMEOUT)
+    assert result.returncode == 0, describe(result)
     rows = {
         m.group(1): int(m.group(2))
         for m in re.finditer(
@@ -281,7 +259,7 @@ def test_distributed_benchmark_quick_prints_counted_table():
             re.MULTILINE,
         )
     }
-    assert rows == {"ours": 1, "naive": 8}, _describe(result)
+    assert rows == {"ours": 1, "naive": 8}, describe(result)
 
 
 def test_mwms_plain_model_fit_fails_in_keras_for_plain_models_too(mwms_probe):
