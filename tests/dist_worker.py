@@ -137,12 +137,6 @@ def main(argv=None) -> None:
 
 
 # ----------------------------------------------------------------- models
-def _loss():
-    import keras
-
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _data(case: str):
     import numpy as np
 
@@ -237,7 +231,9 @@ def build_accumulating(case: str):
                 accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
             )
             model.compile(
-                optimizer=_inner_optimizer(case), loss=_loss(), jit_compile=jit
+                optimizer=_inner_optimizer(case),
+                loss=utils.sparse_ce(),
+                jit_compile=jit,
             )
         else:
             model = keras.Model(inputs, outputs)
@@ -245,7 +241,7 @@ def build_accumulating(case: str):
                 optimizer=GradientAccumulateOptimizer(
                     _inner_optimizer(case), accum_steps=K
                 ),
-                loss=_loss(),
+                loss=utils.sparse_ce(),
                 jit_compile=jit,
             )
         return model
@@ -262,7 +258,9 @@ def build_reference(case: str):
     def build():
         inputs, outputs = _layers(case, reference=True)
         model = keras.Model(inputs, outputs)
-        model.compile(optimizer=_inner_optimizer(case), loss=_loss(), jit_compile=False)
+        model.compile(
+            optimizer=_inner_optimizer(case), loss=utils.sparse_ce(), jit_compile=False
+        )
         return model
 
     return utils.seeded(build)
@@ -272,12 +270,6 @@ def _dataset(x, y, batch):
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch)
-
-
-def _weights(model):
-    import numpy as np
-
-    return [np.asarray(v) for v in model.trainable_weights]
 
 
 def _pack(prefix, arrays):
@@ -292,10 +284,12 @@ def _iterations(model) -> int:
 def run_case(case, strategy, out: Path, chief: bool):
     import tensorflow as tf
 
+    from tests import utils
+
     x, y = _data(case)
     ref_ds = _dataset(x, y, BIG)
     reference = build_reference(case)
-    initial = _weights(reference)
+    initial = utils.weights(reference)
     facts = {}
     if "clip" in case:
         # A forward pass in training mode: it would move BatchNorm statistics.
@@ -310,7 +304,7 @@ def run_case(case, strategy, out: Path, chief: bool):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
         result = {
             **_pack("init", initial),
-            **_pack("ref", _weights(reference)),
+            **_pack("ref", utils.weights(reference)),
             **_pack("ours", ours),
             **_pack("ckpt", resumed["ckpt"]),
             **_pack("keras", resumed["keras"]),
@@ -329,12 +323,12 @@ def run_case(case, strategy, out: Path, chief: bool):
         with strategy.scope():
             model = build_accumulating(case)
         error = _fit_error(lambda: model.fit(ds, epochs=EPOCHS, verbose=0))
-        result = {**_pack("init", initial), **_pack("ref", _weights(reference))}
+        result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
         if error is not None:
             facts["fit_error"] = error
             return result, facts
         facts["iterations"] = _iterations(model)
-        return {**result, **_pack("ours", _weights(model))}, facts
+        return {**result, **_pack("ours", utils.weights(model))}, facts
     if case.endswith("_jit"):
         # Whether plain Keras can XLA-compile a train step under this
         # strategy at all: if it cannot, ours cannot either, and the test
@@ -351,7 +345,10 @@ def run_case(case, strategy, out: Path, chief: bool):
     error = _fit_error(fit) if case.endswith("_jit") else fit()
     if error is not None:
         facts["jit_error"] = error
-        return {**_pack("init", initial), **_pack("ref", _weights(reference))}, facts
+        return {
+            **_pack("init", initial),
+            **_pack("ref", utils.weights(reference)),
+        }, facts
     facts["iterations"] = _iterations(model)
     facts["jit_compile"] = bool(model.jit_compile)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
@@ -360,8 +357,8 @@ def run_case(case, strategy, out: Path, chief: bool):
         facts["moving_stats_diff"] = _moving_stats_diff(model, reference)
     result = {
         **_pack("init", initial),
-        **_pack("ref", _weights(reference)),
-        **_pack("ours", _weights(model)),
+        **_pack("ref", utils.weights(reference)),
+        **_pack("ours", utils.weights(model)),
     }
     return result, facts
 
@@ -426,6 +423,8 @@ def _nan_case(case, strategy, x, y, initial, facts):
     batch only, from the initial weights."""
     import numpy as np
 
+    from tests import utils
+
     x = x.copy()
     x[MICRO + 1, 0] = np.nan  # global micro-batch 0 = replica 0's 4, replica 1's 4
     reference = build_reference(case)
@@ -446,8 +445,8 @@ def _nan_case(case, strategy, x, y, initial, facts):
     )
     result = {
         **_pack("init", initial),
-        **_pack("ref", _weights(reference)),
-        **_pack("ours", _weights(model)),
+        **_pack("ref", utils.weights(reference)),
+        **_pack("ours", utils.weights(model)),
     }
     return result, facts
 
@@ -464,7 +463,9 @@ def _plain_under(strategy, case, jit=True):
     def build():
         inputs, outputs = _layers(case)
         model = keras.Model(inputs, outputs)
-        model.compile(optimizer=_inner_optimizer(case), loss=_loss(), jit_compile=jit)
+        model.compile(
+            optimizer=_inner_optimizer(case), loss=utils.sparse_ce(), jit_compile=jit
+        )
         return model
 
     with strategy.scope():
@@ -492,8 +493,10 @@ def _initial_grad_norm(model, x, y) -> float:
     """Global norm of the first big batch's gradient at the initial weights."""
     import tensorflow as tf
 
+    from tests import utils
+
     with tf.GradientTape() as tape:
-        loss = _loss()(y[:BIG], model(x[:BIG], training=True))
+        loss = utils.sparse_ce()(y[:BIG], model(x[:BIG], training=True))
     grads = tape.gradient(loss, model.trainable_weights)
     grads = [tf.convert_to_tensor(g) for g in grads if g is not None]
     return float(tf.linalg.global_norm(grads).numpy())
@@ -505,6 +508,8 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     import keras
     import tensorflow as tf
 
+    from tests import utils
+
     ds = _dataset(x, y, GLOBAL_MICRO)
     steps = N // GLOBAL_MICRO * EPOCHS  # 16 micro-steps = 4 updates
     cut = K + K // 2 + 1  # 7: mid-way through the second cycle
@@ -515,7 +520,7 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     with strategy.scope():
         first = build_accumulating(case)
     fit_under(strategy, first, ds.repeat(EPOCHS).take(cut))
-    accumulator = _accumulator(first)
+    accumulator = utils.accumulator(first)
     facts["micro_step_at_save"] = int(accumulator.micro_step.numpy())
     facts["micro_step_per_replica_at_save"] = _per_replica(
         strategy, accumulator.micro_step
@@ -541,60 +546,58 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
         # Create the optimizer's and the accumulator's variables before
         # restoring, as a resumed training script would.
         fresh.optimizer.build(fresh.trainable_variables)
-        if not _accumulator(fresh).built:
-            _accumulator(fresh).build(fresh.trainable_variables)
+        if not utils.accumulator(fresh).built:
+            utils.accumulator(fresh).build(fresh.trainable_variables)
         status = tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).read(
             prefix
         )
         status.assert_existing_objects_matched()
-    facts["ckpt_micro_step_restored"] = int(_accumulator(fresh).micro_step.numpy())
+    facts["ckpt_micro_step_restored"] = int(utils.accumulator(fresh).micro_step.numpy())
     facts["ckpt_micro_step_per_replica"] = _per_replica(
-        strategy, _accumulator(fresh).micro_step
+        strategy, utils.accumulator(fresh).micro_step
     )
-    facts["ckpt_weight_sum_restored"] = float(_accumulator(fresh).weight_sum.numpy())
+    facts["ckpt_weight_sum_restored"] = float(
+        utils.accumulator(fresh).weight_sum.numpy()
+    )
     fit_under(strategy, fresh, rest)
-    resumed["ckpt"] = _weights(fresh)
+    resumed["ckpt"] = utils.weights(fresh)
     facts["ckpt_iterations"] = _iterations(fresh)
 
     with strategy.scope():
         loaded = keras.models.load_model(keras_path)
-    facts["keras_micro_step_restored"] = int(_accumulator(loaded).micro_step.numpy())
-    facts["keras_micro_step_per_replica"] = _per_replica(
-        strategy, _accumulator(loaded).micro_step
+    facts["keras_micro_step_restored"] = int(
+        utils.accumulator(loaded).micro_step.numpy()
     )
-    facts["keras_weight_sum_restored"] = float(_accumulator(loaded).weight_sum.numpy())
+    facts["keras_micro_step_per_replica"] = _per_replica(
+        strategy, utils.accumulator(loaded).micro_step
+    )
+    facts["keras_weight_sum_restored"] = float(
+        utils.accumulator(loaded).weight_sum.numpy()
+    )
     fit_under(strategy, loaded, rest)
-    resumed["keras"] = _weights(loaded)
+    resumed["keras"] = utils.weights(loaded)
     facts["keras_iterations"] = _iterations(loaded)
 
     # The same checkpoint resumed on one device (no strategy): it holds the
     # replicas' sum, and one replica on the global micro-batch continues it.
     single = build_accumulating(case)
     single.optimizer.build(single.trainable_variables)
-    if not _accumulator(single).built:
-        _accumulator(single).build(single.trainable_variables)
+    if not utils.accumulator(single).built:
+        utils.accumulator(single).build(single.trainable_variables)
     tf.train.Checkpoint(model=single, optimizer=single.optimizer).read(
         prefix
     ).assert_existing_objects_matched()
     single.fit(rest, epochs=1, verbose=0, shuffle=False)
-    resumed["single"] = _weights(single)
+    resumed["single"] = utils.weights(single)
     facts["single_iterations"] = _iterations(single)
     facts["iterations"] = _iterations(straight)
     facts["steps"] = steps
-    return _weights(straight), resumed
+    return utils.weights(straight), resumed
 
 
 def _per_replica(strategy, variable) -> list[int]:
     """The micro-step counter as every replica holds it."""
     return [int(v.numpy()) for v in strategy.experimental_local_results(variable.value)]
-
-
-def _accumulator(model):
-    from gradient_accumulator import GradientAccumulateModel
-
-    if isinstance(model, GradientAccumulateModel):
-        return model._accumulator
-    return model.optimizer._accumulator
 
 
 # --------------------------------------------------------------- counting
