@@ -24,7 +24,10 @@ What it measures
       in-step and the big batch), and the summed time of those kernels. This
       is the graph after Grappler (oneDNN fusions, constant folding); the
       tracer does not record control-flow plumbing (Switch, Merge, Identity)
-      and adds its own cost to each kernel, so kernel times are estimates;
+      and adds its own cost to each kernel, so kernel times are estimates.
+      The first ``--profile-updates`` updates after tracing are profiled:
+      after a few dozen runs the executor stops recording the kernels it
+      has measured as cheap;
     * time per update: ``model.train_function`` called directly (as
       ``benchmarks/overhead.py`` does), variants interleaved in a rotated
       order over ``--rounds`` rounds, median of per-round ratios to Keras'
@@ -43,14 +46,23 @@ What it measures
     nodes per step, kernels per update and their kernel time per update)
     and an estimate of what the difference costs: the measured time
     difference per update, less the kernel time difference, over the added
-    executor nodes per update. The script reports and never asserts; it
+    executor nodes per update.
+
+    ``--probes`` adds two variants of the model wrapper with one extra taken
+    out while its step is traced, to measure what that extra costs (they
+    are probes, not options of the package): ``probe-no-logs`` without the
+    three log entries the wrapper adds to every step's logs (``update``,
+    ``grad_norm``, ``effective_batch``), ``probe-unchecked`` without the
+    finite check that gates the update (a NaN would reach the weights).
+
+    The script reports and never asserts; it
     always exits 0. It uses TensorFlow internals (the eager context's graph
     collection, the kernel registry, the profiler's XSpace protobuf), so a
     TensorFlow upgrade may need it adjusted.
 
 Run
     python benchmarks/step_ops.py                  # defaults
-    python benchmarks/step_ops.py --with-big-batch --rounds 60
+    python benchmarks/step_ops.py --with-big-batch --probes --rounds 60
     python benchmarks/step_ops.py --hidden 256 --accum-steps 8
     python benchmarks/step_ops.py --quick          # smoke test: 2 rounds
 """
@@ -59,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import os
 import re
@@ -97,6 +110,16 @@ VARIANTS = (
     "ours-in-step",
     "ours-optimizer",
 )
+# --probes: the model wrapper with one of its extras taken out while its step
+# is traced. Measurements of what the extra costs, not options of the
+# package (without the finite check a NaN reaches the weights). They patch
+# private names of the package and are skipped if those have moved.
+PROBES = {
+    "probe-no-logs": "ours-model without its 3 per-step log entries "
+    "(update, grad_norm, effective_batch)",
+    "probe-unchecked": "ours-model without the finite check (sum of squares, "
+    "IsFinite and its cond)",
+}
 CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile")
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
 PASS_THROUGH = ("Identity", "IdentityN")
@@ -391,9 +414,43 @@ class Runner:
         self.cpu.append((time.process_time() - cpu) / updates)
 
 
+@contextlib.contextmanager
+def probe_patch(variant: str):
+    """While a probe's step is traced: the engine's log entries are none
+    (``probe-no-logs``) or its sum of squares is a constant 0, so the update
+    is gated by a constant predicate (``probe-unchecked``)."""
+    if variant == "probe-no-logs":
+        from gradient_accumulator import engine
+
+        owner, name, value = engine.Engine, "logs", lambda self: {}
+    elif variant == "probe-unchecked":
+        from gradient_accumulator import arithmetic
+
+        owner, name = arithmetic, "squared_norm"
+        value = lambda tensors: tf.constant(0.0)  # noqa: E731
+    else:
+        yield
+        return
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
 def prepare(variant: str, args: argparse.Namespace) -> Runner:
     """Builds, traces (a short fit on a tf.data pipeline of digits, batch
-    dimension unknown as in fit on arrays) and counts the traced ops."""
+    dimension unknown as in fit on arrays), counts the traced ops and
+    profiles the first updates (TensorFlow's executor stops recording the
+    kernels it finds cheap after some dozens of runs)."""
+    with probe_patch(variant):
+        runner = _prepare(variant, args)
+    profile(runner, args.profile_updates)
+    return runner
+
+
+def _prepare(variant: str, args: argparse.Namespace) -> Runner:
     k, m = args.accum_steps, args.micro_batch
     big = variant in BIG_BATCH
     batch = k * m if big else m
@@ -401,7 +458,9 @@ def prepare(variant: str, args: argparse.Namespace) -> Runner:
     n = 8 * k * m  # whole batches only
     dataset = tf.data.Dataset.from_tensor_slices((x[:n], y[:n]))
     dataset = dataset.batch(batch).cache().repeat()
-    model = build_variant(variant, args.hidden, m, k)
+    model = build_variant(
+        "ours-model" if variant in PROBES else variant, args.hidden, m, k
+    )
     steps = 1 if big else k
     eager = context.context()
     eager.enable_graph_collection()  # the graphs of functions run from now on
@@ -615,6 +674,22 @@ def _listed(counter: collections.Counter) -> str:
     return ", ".join(f"{k} x{v}" for k, v in sorted(counter.items())) or "none"
 
 
+def available_probes() -> list[str]:
+    """The probes whose patched names this package version has."""
+    from gradient_accumulator import arithmetic, engine
+
+    found = []
+    for probe, owner, name in (
+        ("probe-no-logs", getattr(engine, "Engine", None), "logs"),
+        ("probe-unchecked", arithmetic, "squared_norm"),
+    ):
+        if hasattr(owner, name):
+            found.append(probe)
+        else:
+            print(f"{probe} skipped: the package has no {name} to patch")
+    return found
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -625,7 +700,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--updates", type=int, default=20, help="updates per variant per round"
     )
     parser.add_argument(
-        "--profile-updates", type=int, default=10, help="updates profiled per variant"
+        "--profile-updates", type=int, default=3, help="updates profiled per variant"
     )
     parser.add_argument("--hidden", type=int, default=64, help="units per hidden layer")
     parser.add_argument(
@@ -640,11 +715,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also plain-big (plain Keras at batch K*m), the in-step mode's peer",
     )
     parser.add_argument(
+        "--probes",
+        action="store_true",
+        help=f"add the probes {', '.join(PROBES)}: the model wrapper with an "
+        "extra taken out, to measure what it costs",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="2 rounds, 2 updates each: a smoke test"
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.rounds, args.updates, args.profile_updates = 2, 2, 2
+        args.rounds, args.updates = 2, 2
     if args.accum_steps < 2:
         parser.error("--accum-steps must be >= 2")  # Keras' built-in needs it
     for name in ("rounds", "updates", "profile_updates", "hidden", "micro_batch"):
@@ -657,6 +738,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     k, m = args.accum_steps, args.micro_batch
     variants = (("plain-big",) if args.with_big_batch else ()) + VARIANTS
+    if args.probes:
+        variants += tuple(available_probes())
     print(
         f"TensorFlow {tf.__version__}, Keras {keras.__version__}, CPU; "
         f"gradient_accumulator from {Path(gradient_accumulator.__file__).parent}; "
@@ -675,8 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         shift = r % len(runners)
         for runner in runners[shift:] + runners[:shift]:
             runner.record(args.updates)
-    for runner in runners:
-        profile(runner, args.profile_updates)
     by_name = {r.variant: r for r in runners}
 
     print()
@@ -691,7 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds; ratios: median of per-round ratios."
     )
     for runner in runners:
-        print(f"  {runner.variant}: {DESCRIPTIONS[runner.variant]}")
+        print(f"  {runner.variant}: {({**DESCRIPTIONS, **PROBES})[runner.variant]}")
     print()
     print(
         "Difference by op type, GradientAccumulateModel streaming (ours-model) "

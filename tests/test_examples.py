@@ -92,7 +92,7 @@ def test_epoch_benchmark_quick_prints_table_and_targets():
 
 
 def test_step_ops_benchmark_quick_prints_its_tables():
-    result = run_script("benchmarks/step_ops.py", "--quick")
+    result = run_script("benchmarks/step_ops.py", "--quick", "--probes")
     assert result.returncode == 0, describe(result)
     assert_quiet(result)
     lines = result.stdout.splitlines()
@@ -105,6 +105,8 @@ def test_step_ops_benchmark_quick_prints_its_tables():
         "ours-model",
         "ours-in-step",
         "ours-optimizer",
+        "probe-no-logs",
+        "probe-unchecked",
     ):
         # Counts first, then kernel ms, ms/update and the two ratios.
         row = re.compile(
