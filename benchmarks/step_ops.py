@@ -52,8 +52,10 @@ What it measures
     out while its step is traced, to measure what that extra costs (they
     are probes, not options of the package): ``probe-no-logs`` without the
     three log entries the wrapper adds to every step's logs (``update``,
-    ``grad_norm``, ``effective_batch``), ``probe-unchecked`` without the
-    finite check that gates the update (a NaN would reach the weights).
+    ``grad_norm``, ``effective_batch``), ``probe-constant-logs`` with those
+    entries made constants (the step keeps its outputs, the ops computing
+    them are gone), ``probe-unchecked`` without the finite check that gates
+    the update (a NaN would reach the weights).
 
     The script reports and never asserts; it
     always exits 0. It uses TensorFlow internals (the eager context's graph
@@ -117,6 +119,8 @@ VARIANTS = (
 PROBES = {
     "probe-no-logs": "ours-model without its 3 per-step log entries "
     "(update, grad_norm, effective_batch)",
+    "probe-constant-logs": "ours-model with its 3 log entries made constants "
+    "(the step's outputs kept, the ops computing them gone)",
     "probe-unchecked": "ours-model without the finite check (sum of squares, "
     "IsFinite and its cond)",
 }
@@ -419,10 +423,17 @@ def probe_patch(variant: str):
     """While a probe's step is traced: the engine's log entries are none
     (``probe-no-logs``) or its sum of squares is a constant 0, so the update
     is gated by a constant predicate (``probe-unchecked``)."""
-    if variant == "probe-no-logs":
+    if variant in ("probe-no-logs", "probe-constant-logs"):
         from gradient_accumulator import engine
 
-        owner, name, value = engine.Engine, "logs", lambda self: {}
+        owner, name = engine.Engine, "logs"
+        original = owner.logs
+        if variant == "probe-no-logs":
+            value = lambda self: {}  # noqa: E731
+        else:
+            value = lambda self: {  # noqa: E731
+                key: tf.constant(0.0) for key in original(self)
+            }
     elif variant == "probe-unchecked":
         from gradient_accumulator import arithmetic
 
@@ -681,6 +692,7 @@ def available_probes() -> list[str]:
     found = []
     for probe, owner, name in (
         ("probe-no-logs", getattr(engine, "Engine", None), "logs"),
+        ("probe-constant-logs", getattr(engine, "Engine", None), "logs"),
         ("probe-unchecked", arithmetic, "squared_norm"),
     ):
         if hasattr(owner, name):

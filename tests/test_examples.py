@@ -106,6 +106,7 @@ def test_step_ops_benchmark_quick_prints_its_tables():
         "ours-in-step",
         "ours-optimizer",
         "probe-no-logs",
+        "probe-constant-logs",
         "probe-unchecked",
     ):
         # Counts first, then kernel ms, ms/update and the two ratios.
