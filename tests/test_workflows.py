@@ -25,42 +25,24 @@ from tests import utils
 B = 4  # micro-batch
 
 
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def _plain() -> keras.Model:
-    return keras.Model(*utils.mlp_layers())
-
-
-def _wrapped(accum_steps: int, **settings) -> GradientAccumulateModel:
-    inputs, outputs = utils.mlp_layers()
-    return GradientAccumulateModel(
-        accum_steps=accum_steps, inputs=inputs, outputs=outputs, **settings
-    )
-
-
 def _pair(accum_steps: int, **settings):
     """A plain model and a wrapped one with the same initial weights."""
-    plain = utils.seeded(_plain)
-    wrapped = utils.seeded(lambda: _wrapped(accum_steps, **settings))
+    plain = utils.seeded(utils.plain_model)
+    wrapped = utils.seeded(
+        lambda: utils.accumulating_model(accum_steps=accum_steps, **settings)
+    )
     utils.assert_same_weights(utils.weights(wrapped), utils.weights(plain), 0.0)
     return plain, wrapped
-
-
-def _fit(model, x, y, batch_size, **kwargs):
-    kwargs.setdefault("epochs", 1)
-    return model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0, **kwargs)
 
 
 # ------------------------------------------------------- weights interop
 def test_weights_lists_and_counts_are_the_plain_models():
     plain, wrapped = _pair(4)
     for model in (plain, wrapped):
-        model.compile(optimizer="adam", loss=_loss())
+        model.compile(optimizer="adam", loss=utils.sparse_ce())
     x, y = utils.classification_data(32)
-    _fit(wrapped, x[:12], y[:12], B)  # the state exists now
-    _fit(plain, x[:12], y[:12], B * 4)  # so does the optimizer's
+    utils.fit(wrapped, x[:12], y[:12], B)  # the state exists now
+    utils.fit(plain, x[:12], y[:12], B * 4)  # so does the optimizer's
     # Same layers, so the same list up to Keras' automatic layer names.
     shapes = [[(w.name, tuple(w.shape)) for w in m.weights] for m in (plain, wrapped)]
     assert shapes[0] == shapes[1]
@@ -81,41 +63,41 @@ def test_weights_lists_and_counts_are_the_plain_models():
 def test_set_weights_and_weight_files_move_both_ways(tmp_path):
     plain, wrapped = _pair(2)
     for model in (plain, wrapped):
-        model.compile(optimizer="sgd", loss=_loss())
+        model.compile(optimizer="sgd", loss=utils.sparse_ce())
     x, y = utils.classification_data(16)
-    _fit(plain, x, y, 16)  # "pretrained"
+    utils.fit(plain, x, y, 16)  # "pretrained"
     wrapped.set_weights(plain.get_weights())
     utils.assert_same_weights(utils.weights(wrapped), utils.weights(plain), 0.0)
 
-    _fit(wrapped, x, y, B)
-    other = utils.seeded(_plain, seed=1)
+    utils.fit(wrapped, x, y, B)
+    other = utils.seeded(utils.plain_model, seed=1)
     other.set_weights(wrapped.get_weights())
     utils.assert_same_weights(utils.weights(other), utils.weights(wrapped), 0.0)
 
     # save_weights files are interchangeable (optimizer state included).
     path = tmp_path / "wrapped.weights.h5"
     wrapped.save_weights(path)
-    fresh = utils.seeded(_plain, seed=2)
-    fresh.compile(optimizer="sgd", loss=_loss())
+    fresh = utils.seeded(utils.plain_model, seed=2)
+    fresh.compile(optimizer="sgd", loss=utils.sparse_ce())
     fresh.load_weights(path)
     utils.assert_same_weights(utils.weights(fresh), utils.weights(wrapped), 0.0)
 
     path = tmp_path / "plain.weights.h5"
     plain.save_weights(path)
-    target = utils.seeded(lambda: _wrapped(2), seed=3)
-    target.compile(optimizer="sgd", loss=_loss())
+    target = utils.seeded(lambda: utils.accumulating_model(accum_steps=2), seed=3)
+    target.compile(optimizer="sgd", loss=utils.sparse_ce())
     target.load_weights(path)
     utils.assert_same_weights(utils.weights(target), utils.weights(plain), 0.0)
 
 
 def test_model_checkpoint_weights_only_loads_into_a_plain_model(tmp_path):
     plain, wrapped = _pair(2)
-    wrapped.compile(optimizer="adam", loss=_loss())
+    wrapped.compile(optimizer="adam", loss=utils.sparse_ce())
     x, y = utils.classification_data(16)
     path = str(tmp_path / "ckpt.weights.h5")
     checkpoint = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
-    _fit(wrapped, x, y, B, epochs=2, callbacks=[checkpoint])
-    plain.compile(optimizer="adam", loss=_loss())
+    utils.fit(wrapped, x, y, B, epochs=2, callbacks=[checkpoint])
+    plain.compile(optimizer="adam", loss=utils.sparse_ce())
     plain.load_weights(path)
     utils.assert_same_weights(utils.weights(plain), utils.weights(wrapped), 0.0)
     np.testing.assert_array_equal(
@@ -132,11 +114,11 @@ def test_early_stopping_restores_best_weights_as_plain_keras_does():
     xv, yv = utils.classification_data(16, seed=5)
     histories = {}
     for name, model, batch in (("plain", plain, B * K), ("wrapped", wrapped, B)):
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=_loss())
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=utils.sparse_ce())
         stop = keras.callbacks.EarlyStopping(
             patience=1, restore_best_weights=True, min_delta=1e-3
         )
-        histories[name] = _fit(
+        histories[name] = utils.fit(
             model, x, y, batch, epochs=30, validation_data=(xv, yv), callbacks=[stop]
         ).history
     assert len(histories["wrapped"]["loss"]) == len(histories["plain"]["loss"]) < 30
@@ -172,11 +154,11 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch(K):
 
     for model, b, batch in ((plain, ref_base, B * K), (wrapped, base_w, B)):
         b.trainable = False
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
-        _fit(model, x, y, batch, epochs=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch, epochs=2)
         b.trainable = True
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=_loss())
-        _fit(model, x, y, batch, epochs=2)
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch, epochs=2)
 
     utils.assert_trained(initial, utils.weights(plain))
     assert len(wrapped.trainable_weights) == len(plain.trainable_weights) == 4
@@ -192,13 +174,13 @@ def test_unfreezing_with_a_pending_cycle_drops_it_with_a_warning():
         4, flush_at_end=False, inputs=inputs, outputs=outputs
     )
     base.trainable = False
-    model.compile(optimizer="sgd", loss=_loss())
+    model.compile(optimizer="sgd", loss=utils.sparse_ce())
     x, y = utils.classification_data(8)
-    _fit(model, x, y, B)
+    utils.fit(model, x, y, B)
     assert model._accumulator.pending == 2
     base.trainable = True
     with pytest.warns(UserWarning, match="2 micro-batch"):
-        model.compile(optimizer="sgd", loss=_loss())
+        model.compile(optimizer="sgd", loss=utils.sparse_ce())
     assert model._accumulator.pending == 0
     assert len(model._accumulator.grad_sums) == len(model.trainable_weights) == 4
 
@@ -212,10 +194,10 @@ def test_recompiling_with_another_optimizer_uses_it_at_the_end_of_fit_flush():
     x, y = utils.classification_data(40)  # 5 micro-batches of 8: a partial cycle
     initial = utils.weights(plain)
     for model, batch in ((plain, 8 * K), (wrapped, 8)):
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
-        _fit(model, x, y, batch)
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=_loss())
-        _fit(model, x, y, batch)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch)
     utils.assert_trained(initial, utils.weights(plain))
     assert int(wrapped.optimizer.iterations) == int(plain.optimizer.iterations) == 2
     utils.report(
@@ -293,10 +275,10 @@ def test_model_wrapper_on_unknown_length_datasets_equals_big_batch(K, source, tm
 
     plain, wrapped = _pair(K)
     for model in (plain, wrapped):
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
     wrapped.fit(ds, epochs=epochs, verbose=0)
     xs, ys = np.concatenate([x] * epochs), np.concatenate([y] * epochs)
-    _fit(plain, xs, ys, B * K)
+    utils.fit(plain, xs, ys, B * K)
     assert int(wrapped.optimizer.iterations) == int(plain.optimizer.iterations)
     utils.report(
         utils.assert_same_weights(utils.weights(wrapped), utils.weights(plain))
@@ -307,18 +289,18 @@ def test_model_wrapper_on_unknown_length_datasets_equals_big_batch(K, source, tm
 def test_optimizer_wrapper_on_unknown_length_datasets_equals_big_batch(K):
     epochs, n = 3, 24
     x, y = utils.classification_data(n)
-    plain = utils.seeded(_plain)
-    model = utils.seeded(_plain)
-    plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
+    plain = utils.seeded(utils.plain_model)
+    model = utils.seeded(utils.plain_model)
+    plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
     model.compile(
         optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), K),
-        loss=_loss(),
+        loss=utils.sparse_ce(),
     )
     model.fit(_generator_dataset(x, y, B), epochs=epochs, verbose=0)
     micro = epochs * n // B
     updates = micro // K
     xs, ys = np.concatenate([x] * epochs), np.concatenate([y] * epochs)
-    _fit(plain, xs[: updates * K * B], ys[: updates * K * B], B * K)
+    utils.fit(plain, xs[: updates * K * B], ys[: updates * K * B], B * K)
     assert int(model.optimizer.iterations) == updates
     assert int(model.optimizer._accumulator.micro_step.numpy()) == micro % K
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
@@ -334,8 +316,8 @@ def test_ema_with_a_flushed_partial_cycle_equals_big_batch():
     plain, wrapped = _pair(K)
     x, y = utils.classification_data(40)  # 10 micro-batches: 2 cycles + 2 flushed
     for model, batch in ((plain, B * K), (wrapped, B)):
-        model.compile(optimizer=_ema_adam(), loss=_loss())
-        _fit(model, x, y, batch)
+        model.compile(optimizer=_ema_adam(), loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch)
     assert int(wrapped.optimizer.iterations) == int(plain.optimizer.iterations) == 3
     utils.report(
         utils.assert_same_weights(utils.weights(wrapped), utils.weights(plain))
@@ -344,13 +326,15 @@ def test_ema_with_a_flushed_partial_cycle_equals_big_batch():
 
 def test_ema_with_flush_partial_cycle_callback_and_optimizer_wrapper():
     K = 4
-    plain = utils.seeded(_plain)
-    model = utils.seeded(_plain)
+    plain = utils.seeded(utils.plain_model)
+    model = utils.seeded(utils.plain_model)
     x, y = utils.classification_data(40)
-    plain.compile(optimizer=_ema_adam(), loss=_loss())
-    _fit(plain, x, y, B * K, epochs=2)
-    model.compile(optimizer=GradientAccumulateOptimizer(_ema_adam(), K), loss=_loss())
-    _fit(model, x, y, B, epochs=2, callbacks=[FlushPartialCycle()])
+    plain.compile(optimizer=_ema_adam(), loss=utils.sparse_ce())
+    utils.fit(plain, x, y, B * K, epochs=2)
+    model.compile(
+        optimizer=GradientAccumulateOptimizer(_ema_adam(), K), loss=utils.sparse_ce()
+    )
+    utils.fit(model, x, y, B, epochs=2, callbacks=[FlushPartialCycle()])
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
@@ -361,8 +345,8 @@ def test_flush_right_after_load_model_applies_the_saved_pending_cycle(tmp_path):
     plain, wrapped = _pair(K, flush_at_end=False)
     x, y = utils.classification_data(24)  # 6 micro-batches: 1 cycle + 2 pending
     for model in (plain, wrapped):
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=_loss())
-    _fit(wrapped, x, y, B)
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
+    utils.fit(wrapped, x, y, B)
     assert wrapped._accumulator.pending == 2
     path = tmp_path / "pending.keras"
     wrapped.save(path)
@@ -371,7 +355,7 @@ def test_flush_right_after_load_model_applies_the_saved_pending_cycle(tmp_path):
     assert loaded._accumulator.pending == 2
     loaded.flush()
     assert loaded._accumulator.pending == 0
-    _fit(plain, x, y, B * K)  # batches of 16 and 8: the same two updates
+    utils.fit(plain, x, y, B * K)  # batches of 16 and 8: the same two updates
     assert int(loaded.optimizer.iterations) == 2
     utils.report(utils.assert_same_weights(utils.weights(loaded), utils.weights(plain)))
 
@@ -392,8 +376,8 @@ def test_clone_model_keeps_the_class_and_settings_and_trains_alike():
     clone.set_weights(plain.get_weights())
     x, y = utils.classification_data(32)
     for model, batch in ((plain, B * K), (clone, B)):
-        model.compile(optimizer="adam", loss=_loss())
-        _fit(model, x, y, batch, epochs=2)
+        model.compile(optimizer="adam", loss=utils.sparse_ce())
+        utils.fit(model, x, y, batch, epochs=2)
     utils.assert_same_weights(utils.weights(clone), utils.weights(plain))
 
 
@@ -409,9 +393,9 @@ def test_documented_subclass_pattern_round_trips_through_keras_files(tmp_path):
     try:
         inputs, outputs = utils.mlp_layers()
         model = FourStepModel(inputs=inputs, outputs=outputs)
-        model.compile(optimizer="sgd", loss=_loss())
+        model.compile(optimizer="sgd", loss=utils.sparse_ce())
         x, y = utils.classification_data(16)
-        _fit(model, x, y, B)
+        utils.fit(model, x, y, B)
         path = tmp_path / "sub.keras"
         model.save(path)
         loaded = keras.models.load_model(path)
