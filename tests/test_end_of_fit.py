@@ -16,7 +16,6 @@ from sklearn.datasets import load_digits
 
 from gradient_accumulator import (
     FlushPartialCycle,
-    GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )
 from tests import utils
@@ -30,31 +29,23 @@ def _digits(n: int = 40):
 
 
 def _layers():
-    inputs = keras.Input((64,))
-    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
-    return inputs, keras.layers.Dense(10)(hidden)
+    """The small MLP on the digits' 64 pixels, 10 classes."""
+    return utils.mlp_layers(inputs_dim=64, classes=10)
 
 
 def _ema_sgd():
     return keras.optimizers.SGD(0.1, use_ema=True, ema_momentum=0.9)
 
 
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
 def _accumulating(wrapper: str) -> keras.Model:
     if wrapper == "model":
         # Without the model's own end-of-fit flush, so the callback decides.
-        inputs, outputs = _layers()
-        model = GradientAccumulateModel(
-            accum_steps=K, inputs=inputs, outputs=outputs, flush_at_end=False
-        )
-        model.compile(optimizer=_ema_sgd(), loss=_loss())
+        model = utils.accumulating_model(_layers, accum_steps=K, flush_at_end=False)
+        model.compile(optimizer=_ema_sgd(), loss=utils.sparse_ce())
     else:
-        model = keras.Model(*_layers())
+        model = utils.plain_model(_layers)
         optimizer = GradientAccumulateOptimizer(_ema_sgd(), accum_steps=K)
-        model.compile(optimizer=optimizer, loss=_loss())
+        model.compile(optimizer=optimizer, loss=utils.sparse_ce())
     return model
 
 
@@ -65,9 +56,9 @@ def _big_batch(x, y, epochs: int, mode: str) -> keras.Model:
     if mode == "drop":
         keep = len(xs) // (K * B) * K * B
         xs, ys = xs[:keep], ys[:keep]
-    plain = utils.seeded(lambda: keras.Model(*_layers()))
-    plain.compile(optimizer=_ema_sgd(), loss=_loss())
-    plain.fit(xs, ys, batch_size=K * B, shuffle=False, verbose=0)
+    plain = utils.seeded(lambda: utils.plain_model(_layers))
+    plain.compile(optimizer=_ema_sgd(), loss=utils.sparse_ce())
+    utils.fit(plain, xs, ys, K * B)
     return plain
 
 
@@ -85,15 +76,7 @@ def test_last_partial_cycle_under_ema_equals_big_batch(wrapper, mode, every_epoc
     model = utils.seeded(lambda: _accumulating(wrapper))
     before = utils.weights(model)
     callback = FlushPartialCycle(mode, every_epoch=every_epoch)
-    model.fit(
-        x,
-        y,
-        batch_size=B,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-        callbacks=[callback],
-    )
+    utils.fit(model, x, y, B, epochs=epochs, callbacks=[callback])
     plain = _big_batch(x, y, epochs, mode)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
     utils.assert_trained(before, utils.weights(model))
@@ -107,9 +90,7 @@ def test_flush_when_a_later_callback_stops_training(wrapper):
     x, y = _digits()
     model = utils.seeded(lambda: _accumulating(wrapper))
     callbacks = [FlushPartialCycle("flush", every_epoch=False), _StopAfterFirstEpoch()]
-    model.fit(
-        x, y, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=callbacks
-    )
+    utils.fit(model, x, y, B, epochs=3, callbacks=callbacks)
     plain = _big_batch(x, y, 1, "flush")
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 2
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
@@ -119,16 +100,9 @@ def test_a_fit_without_the_callback_keeps_its_partial_cycle():
     # The callback's end-of-fit action is for its own fit only.
     x, y = _digits()
     model = utils.seeded(lambda: _accumulating("optimizer"))
-    model.fit(
-        x,
-        y,
-        batch_size=B,
-        shuffle=False,
-        verbose=0,
-        callbacks=[FlushPartialCycle("flush", every_epoch=False)],
-    )
+    utils.fit(model, x, y, B, callbacks=[FlushPartialCycle("flush", every_epoch=False)])
     assert int(model.optimizer.iterations) == 2
-    model.fit(x, y, batch_size=B, shuffle=False, verbose=0)
+    utils.fit(model, x, y, B)
     # 5 more micro-batches: one more cycle, one micro-batch still pending.
     assert int(model.optimizer.iterations) == 3
     assert model.optimizer._accumulator.pending == 1
