@@ -24,34 +24,32 @@ K = 4
 LR = 0.05
 
 
-def _loss():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+def _compiled(make_model, optimizer=None) -> keras.Model:
+    """``make_model()``, seeded and compiled (with ``optimizer``, by default
+    Adam(LR), and sparse cross-entropy)."""
+
+    def build():
+        model = make_model()
+        model.compile(
+            optimizer=optimizer or keras.optimizers.Adam(LR), loss=utils.sparse_ce()
+        )
+        return model
+
+    return utils.seeded(build)
 
 
 def _plain(optimizer=None) -> keras.Model:
-    def build():
-        model = keras.Model(*utils.mlp_layers())
-        model.compile(optimizer=optimizer or keras.optimizers.Adam(LR), loss=_loss())
-        return model
-
-    return utils.seeded(build)
+    return _compiled(utils.plain_model, optimizer)
 
 
 def _accumulating(optimizer=None, **kwargs) -> GradientAccumulateModel:
-    def build():
-        inputs, outputs = utils.mlp_layers()
-        kwargs.setdefault("accum_steps", K)
-        model = GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
-        model.compile(optimizer=optimizer or keras.optimizers.Adam(LR), loss=_loss())
-        return model
-
-    return utils.seeded(build)
+    kwargs.setdefault("accum_steps", K)
+    return _compiled(lambda: utils.accumulating_model(**kwargs), optimizer)
 
 
-def _fit(model, x, y, batch_size=B, epochs=1, **kwargs):
-    return model.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
-    )
+def _fit(model, x, y, batch_size=B, **kwargs):
+    """``utils.fit``, in micro-batches of B unless told otherwise."""
+    return utils.fit(model, x, y, batch_size, **kwargs)
 
 
 def _train_on(model, x, y, batches) -> None:
@@ -97,9 +95,9 @@ def test_schedule_with_optimizer_wrapper():
     _fit(reference, x, y, batch_size=B)
     _fit(reference, x, y, batch_size=K * B)
 
-    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    model = utils.seeded(utils.plain_model)
     opt = GradientAccumulateOptimizer(keras.optimizers.SGD(LR), accum_steps=1)
-    model.compile(optimizer=opt, loss=_loss())
+    model.compile(optimizer=opt, loss=utils.sparse_ce())
     _fit(model, x, y, epochs=2, callbacks=[AccumulationScheduler({0: 1, 1: 4})])
     assert opt.accum_steps == 4
     assert int(opt.iterations) == 10
@@ -190,9 +188,9 @@ def test_flush_method_and_callback_for_optimizer_wrapper():
     reference = _plain()
     _fit(reference, x, y, batch_size=24, epochs=2)
 
-    model = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    model = utils.seeded(utils.plain_model)
     opt = GradientAccumulateOptimizer(keras.optimizers.Adam(LR), accum_steps=K)
-    model.compile(optimizer=opt, loss=_loss())
+    model.compile(optimizer=opt, loss=utils.sparse_ce())
     _fit(model, x, y, epochs=2, callbacks=[FlushPartialCycle()])
     assert int(opt.iterations) == 2
     utils.assert_same_weights(utils.weights(model), utils.weights(reference))
@@ -280,7 +278,7 @@ def test_logs_tell_updates_from_micro_steps():
     x, y = utils.classification_data(2 * K * B)
     plain = _plain()
     with tf.GradientTape() as tape:
-        loss = _loss()(y[: K * B], plain(x[: K * B]))
+        loss = utils.sparse_ce()(y[: K * B], plain(x[: K * B]))
     expected_norm = float(
         tf.linalg.global_norm(tape.gradient(loss, plain.trainable_weights))
     )
@@ -336,7 +334,7 @@ def test_agc_acts_once_on_the_accumulated_gradient():
     x, y = utils.classification_data(K * B)
     plain = _plain()
     with tf.GradientTape() as tape:
-        loss = _loss()(y, plain(x))
+        loss = utils.sparse_ce()(y, plain(x))
     grads = tape.gradient(loss, plain.trainable_weights)
     params = utils.weights(plain)
     expected = [
@@ -368,7 +366,7 @@ def test_flush_includes_batch_norm_statistics():
         inputs = keras.Input((8,))
         outputs = keras.layers.Dense(3)(norm(inputs))
         model = model_cls(inputs=inputs, outputs=outputs, **kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(LR), loss=_loss())
+        model.compile(optimizer=keras.optimizers.SGD(LR), loss=utils.sparse_ce())
         return model
 
     reference = build(keras.layers.BatchNormalization(momentum=0.5), keras.Model)
