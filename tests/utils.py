@@ -7,11 +7,15 @@ from collections.abc import Callable
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 
 # float32 with deterministic ops: accumulation reorders sums, nothing more.
 ATOL = 2e-5
+# Token ids 0..VOCAB-1 (0 pads) and steps of the sequence helpers.
+VOCAB = 12
+SEQ_LEN = 10
 
 
 def seeded(build: Callable[[], keras.Model], seed: int = 0) -> keras.Model:
@@ -52,6 +56,63 @@ def cnn_layers(shape=(8, 8, 1), classes: int = 3):
     return inputs, outputs
 
 
+def sequence_layers(kind: str = "gru"):
+    """(inputs, outputs) of a masked per-token tagger: Embedding(mask_zero=True),
+    a GRU, an LSTM or (any other ``kind``) a TimeDistributed Dense, Dense(VOCAB)."""
+    inputs = keras.Input((SEQ_LEN,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    if kind == "gru":
+        h = keras.layers.GRU(8, return_sequences=True)(h)
+    elif kind == "lstm":
+        h = keras.layers.LSTM(8, return_sequences=True)(h)
+    else:
+        h = keras.layers.TimeDistributed(keras.layers.Dense(8, activation="tanh"))(h)
+    outputs = keras.layers.Dense(VOCAB)(h)
+    return inputs, outputs
+
+
+def padded_sequences(lengths, seed=0):
+    """Token ids in 1..VOCAB-1 for the first ``length`` steps, 0 (padding)
+    after; per-token targets everywhere (the padded ones must be masked).
+    ``seed`` may also be a NumPy ``Generator``, which is drawn from."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((len(lengths), SEQ_LEN), dtype="int32")
+    for i, length in enumerate(lengths):
+        x[i, :length] = rng.integers(1, VOCAB, size=length)
+    y = rng.integers(0, VOCAB, size=(len(lengths), SEQ_LEN))
+    return x, y
+
+
+def multi_io_layers():
+    """Two inputs ("a": 8, "b": 4), two outputs ("cls": 3 logits, "reg": 1)."""
+    a = keras.Input((8,), name="a")
+    b = keras.Input((4,), name="b")
+    h = keras.layers.Concatenate()([a, b])
+    h = keras.layers.Dense(16, activation="tanh")(h)
+    cls = keras.layers.Dense(3, name="cls")(h)
+    reg = keras.layers.Dense(1, name="reg")(h)
+    return {"a": a, "b": b}, {"cls": cls, "reg": reg}
+
+
+def multi_io_data(n: int, seed: int = 7):
+    """``n`` samples for ``multi_io_layers``: dicts of inputs and targets."""
+    rng = np.random.default_rng(seed)
+    x = {
+        "a": rng.normal(size=(n, 8)).astype("float32"),
+        "b": rng.normal(size=(n, 4)).astype("float32"),
+    }
+    y = {
+        "cls": rng.integers(0, 3, size=n),
+        "reg": rng.normal(size=(n, 1)).astype("float32"),
+    }
+    return x, y
+
+
+def multi_io_losses():
+    """The losses of ``multi_io_layers``' outputs, by name."""
+    return {"cls": sparse_ce(), "reg": keras.losses.MeanSquaredError()}
+
+
 def classification_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int = 0):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, dim)).astype("float32")
@@ -70,6 +131,35 @@ def fit(model: keras.Model, x, y, batch_size: int, epochs: int = 1, **kwargs):
     return model.fit(
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
     )
+
+
+def naive_sgd_step(
+    layers: Callable,
+    x,
+    y,
+    lr: float,
+    micro_batch: int,
+    make_loss: Callable = sparse_ce,
+    sample_weight=None,
+) -> list[np.ndarray]:
+    """Weights after one SGD step with the *equal-weight* mean of the gradients
+    of the ``micro_batch``-sized slices (what naive accumulation would apply),
+    computed with plain Keras/TensorFlow from the seeded initial weights."""
+    model = seeded(lambda: plain_model(layers))
+    loss_fn = make_loss()
+    grads = None
+    starts = range(0, len(x), micro_batch)
+    for start in starts:
+        part = slice(start, start + micro_batch)
+        weight = None if sample_weight is None else sample_weight[part]
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y[part], model(x[part], training=True), weight)
+        grads_k = tape.gradient(loss, model.trainable_weights)
+        micro = [np.asarray(tf.convert_to_tensor(g)) for g in grads_k]
+        grads = micro if grads is None else [a + b for a, b in zip(grads, micro)]
+    return [
+        w - lr * g / len(starts) for w, g in zip(weights(model), grads, strict=True)
+    ]
 
 
 def accumulator(model: keras.Model):
