@@ -437,13 +437,15 @@ class Engine(tf.Module):
         weight=None,
         count=None,
         samples=None,
+        empty=None,
     ) -> list[bool]:
         """Adds one micro-batch to this replica's sums (no communication).
 
         ``sum(weight * grad)`` and ``sum(count)`` grow; ``weight=None`` adds the
         gradients as they are (the host folded the weight into its loss).
         ``count`` defaults to ``weight`` (``1`` when that is None); ``samples``
-        (for logs) to 0. Returns which gradients were present.
+        (for logs) to 0. ``empty``: the ``empty`` flag, if already read.
+        Returns which gradients were present.
         """
         buffers = self._buffers_for(variables)
         if weight is not None:
@@ -465,9 +467,9 @@ class Engine(tf.Module):
                             tf.zeros(buffer.shape, buffer.dtype)
                         )
 
-        tf.cond(
-            arithmetic.raw(self.empty), lambda: add_all(True), lambda: add_all(False)
-        )
+        if empty is None:
+            empty = arithmetic.raw(self.empty)
+        tf.cond(empty, lambda: add_all(True), lambda: add_all(False))
         arithmetic.raw(self.empty).assign(False)
         if count is None:
             count = 1.0 if weight is None else weight
@@ -592,11 +594,21 @@ class Engine(tf.Module):
 
         def accumulate():
             if last is not None:
-                self.add(last[0], group.variables, *last[1:])
+                grads, weight, count, samples, empty = last
+                self.add(grads, group.variables, weight, count, samples, empty)
             self.micro_step.assign_add(1)
 
+        if last is not None:
+            # Read early, like the predicate below, for the same reason: the
+            # cond on it inside either branch then waits for no copy.
+            last = (*last, tf.convert_to_tensor(arithmetic.raw(self.empty)))
+
+        # The predicate reads only the counter, not the micro-batch: on a GPU
+        # its copy to the host (a cond's predicate is read there) overlaps the
+        # forward and backward passes, as Keras' own accumulation's does.
+        # Only the cond, which changes the state, waits for the data.
+        is_update = self.micro_step + 1 >= self.accum_steps_variable
         with tf.control_dependencies(strategy.experimental_local_results(token)):
-            is_update = self.micro_step + 1 >= self.accum_steps_variable
             tf.cond(is_update, update, accumulate)
         return is_update
 
@@ -792,7 +804,8 @@ def _unpack(total: tf.Tensor, groups: list[_Group]):
 
 def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
     """A group's sums, weight sum and sample count, plus the not yet added
-    micro-batch ``last = (grads, weight, count, samples)`` if given."""
+    micro-batch ``last = (grads, weight, count, samples, empty)`` if given
+    (``empty``: the value the accumulator's ``empty`` flag had)."""
     accumulator = group.accumulator
     live = [b if p else None for b, p in zip(group.buffers, group.present)]
     weight_sum = tf.convert_to_tensor(arithmetic.raw(accumulator.weight_sum))
@@ -802,7 +815,7 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
             None if b is None else tf.convert_to_tensor(arithmetic.raw(b)) for b in live
         ]
         return sums, weight_sum, sample_sum
-    grads, weight, count, samples = last
+    grads, weight, count, samples, empty = last
     weight = None if weight is None else tf.cast(weight, tf.float32)
     triples = [
         (b, g, arithmetic.overwritten(v))
@@ -831,9 +844,7 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
             for b, g, maximum in triples
         ]
 
-    totals = iter(
-        tf.cond(arithmetic.raw(accumulator.empty), alone, added) if triples else []
-    )
+    totals = iter(tf.cond(empty, alone, added) if triples else [])
     sums = [None if g is None else next(totals) for g in grads]
     if count is None:
         count = 1.0 if weight is None else weight
