@@ -9,7 +9,6 @@ and compares the weights; one fit step must be one update.
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import keras
@@ -24,29 +23,6 @@ from tests.processes import describe, run_script
 
 M = 8  # micro_batch_size
 EPOCHS = 2
-VOCAB = 12
-T = 10  # sequence length
-
-
-def _sparse_ce(**kwargs):
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
-
-
-def _report(diff: float) -> float:
-    """Prints the max weight difference (visible with ``pytest -s``)."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    print(f"\n[max |w_instep - w_bigbatch|] {test}: {diff:.3g}")
-    return diff
-
-
-def _in_step(layers, micro_batch_size=M, **kwargs):
-    def build():
-        inputs, outputs = layers()
-        return GradientAccumulateModel(
-            micro_batch_size=micro_batch_size, inputs=inputs, outputs=outputs, **kwargs
-        )
-
-    return build
 
 
 def _train_pair(
@@ -57,54 +33,40 @@ def _train_pair(
     *,
     batch_size: int,
     epochs: int = EPOCHS,
-    sample_weight=None,
-    make_loss=_sparse_ce,
     accum_steps: int = 1,
-    compile_kwargs=None,
     model_compile_kwargs=None,
+    **kwargs,
 ):
-    """Plain Keras at ``batch_size * accum_steps`` and the in-step model at
-    ``batch_size``; returns (initial weights, reference, model, histories)."""
-    compile_kwargs = compile_kwargs or {}
-    reference = utils.seeded(lambda: keras.Model(*layers()))
-    initial = utils.weights(reference)
-    reference.compile(optimizer=make_optimizer(), loss=make_loss(), **compile_kwargs)
-    expected = reference.fit(
+    """``utils.train_pair`` with the in-step model (``micro_batch_size=M``),
+    compiled also with ``model_compile_kwargs``; returns (initial weights,
+    reference, model, and the histories of the two fits)."""
+    initial, reference, model = utils.train_pair(
+        layers,
+        make_optimizer,
         x,
         y,
-        sample_weight=sample_weight,
-        batch_size=batch_size * accum_steps,
-        epochs=epochs,
-        shuffle=False,
-        verbose=0,
-    )
-    model = utils.seeded(_in_step(layers, accum_steps=accum_steps))
-    assert utils.max_abs_diff(initial, utils.weights(model)) == 0.0
-    model.compile(
-        optimizer=make_optimizer(),
-        loss=make_loss(),
-        **compile_kwargs,
-        **(model_compile_kwargs or {}),
-    )
-    history = model.fit(
-        x,
-        y,
-        sample_weight=sample_weight,
         batch_size=batch_size,
+        accum_steps=accum_steps,
         epochs=epochs,
-        shuffle=False,
-        verbose=0,
+        model_kwargs={"micro_batch_size": M},
+        accumulated_compile_kwargs=model_compile_kwargs,
+        **kwargs,
     )
-    return initial, reference, model, expected, history
+    # Keras keeps the History that fit returned as model.history.
+    return initial, reference, model, reference.history, model.history
+
+
+# The label the differences here are printed under (pytest -s), as in
+# examples/in_step.py.
+LABEL = "max |w_instep - w_bigbatch|"
 
 
 def _assert_equivalent(initial, reference, model, updates: int) -> float:
-    utils.assert_trained(initial, utils.weights(reference))
-    diff = utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-    _report(diff)
-    assert int(reference.optimizer.iterations) == updates
-    assert int(model.optimizer.iterations) == updates
-    return diff
+    # Whether the in-step model moved was never asserted here: it matches the
+    # reference, which must have moved.
+    return utils.assert_equivalent(
+        initial, reference, model, updates, accumulated_moved=False, label=LABEL
+    )
 
 
 def _sgd():
@@ -175,29 +137,20 @@ def test_sum_reduction_matches_big_batch():
         x,
         y,
         batch_size=30,
-        make_loss=lambda: _sparse_ce(reduction="sum"),
+        make_loss=lambda: utils.sparse_ce(reduction="sum"),
     )
     _assert_equivalent(initial, reference, model, EPOCHS * 2)
 
 
 # ------------------------------------------------------- masks and weights
-def _sequence_layers():
-    inputs = keras.Input((T,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
-    h = keras.layers.GRU(8, return_sequences=True)(h)
-    return inputs, keras.layers.Dense(VOCAB)(h)
-
-
 def _padded_sequences(n: int, seed: int = 0):
     """Slices with very different numbers of real tokens: short sequences
     first, long ones last in every batch of 32."""
     rng = np.random.default_rng(seed)
-    lengths = np.tile(np.sort(rng.integers(1, T + 1, size=32)), n // 32 + 1)[:n]
-    x = np.zeros((n, T), dtype="int32")
-    for i, length in enumerate(lengths):
-        x[i, :length] = rng.integers(1, VOCAB, size=length)
-    y = rng.integers(0, VOCAB, size=(n, T))
-    return x, y
+    lengths = np.tile(
+        np.sort(rng.integers(1, utils.SEQ_LEN + 1, size=32)), n // 32 + 1
+    )[:n]
+    return utils.padded_sequences(lengths, rng)
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+weights"])
@@ -212,7 +165,7 @@ def test_masked_sequences_match_big_batch(weighted):
         else None
     )
     initial, reference, model, _, _ = _train_pair(
-        _sequence_layers,
+        utils.sequence_layers,
         lambda: keras.optimizers.SGD(0.5, momentum=0.9),
         x,
         y,
@@ -224,34 +177,14 @@ def test_masked_sequences_match_big_batch(weighted):
 
 def test_multi_output_matches_big_batch():
     """Two inputs, two outputs, a dict of losses with loss_weights."""
-    n = 60
-    rng = np.random.default_rng(7)
-    x = {
-        "a": rng.normal(size=(n, 8)).astype("float32"),
-        "b": rng.normal(size=(n, 4)).astype("float32"),
-    }
-    y = {
-        "cls": rng.integers(0, 3, size=n),
-        "reg": rng.normal(size=(n, 1)).astype("float32"),
-    }
-
-    def layers():
-        a = keras.Input((8,), name="a")
-        b = keras.Input((4,), name="b")
-        h = keras.layers.Dense(16, activation="tanh")(
-            keras.layers.Concatenate()([a, b])
-        )
-        cls = keras.layers.Dense(3, name="cls")(h)
-        reg = keras.layers.Dense(1, name="reg")(h)
-        return {"a": a, "b": b}, {"cls": cls, "reg": reg}
-
+    x, y = utils.multi_io_data(60)
     initial, reference, model, _, _ = _train_pair(
-        layers,
+        utils.multi_io_layers,
         _adam,
         x,
         y,
         batch_size=30,
-        make_loss=lambda: {"cls": _sparse_ce(), "reg": keras.losses.MeanSquaredError()},
+        make_loss=utils.multi_io_losses,
         compile_kwargs={"loss_weights": {"cls": 1.0, "reg": 0.3}},
     )
     _assert_equivalent(initial, reference, model, EPOCHS * 2)
@@ -305,14 +238,14 @@ def test_subclassed_model_built_inside_the_loop_matches_big_batch():
     """A subclassed model creates its variables (and the engine its state)
     in its first forward pass, which here runs inside the slice loop."""
     x, y = utils.classification_data(60)
-    reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
-    reference.compile(optimizer=_sgd(), loss=_sparse_ce())
-    reference.fit(x, y, batch_size=30, epochs=EPOCHS, shuffle=False, verbose=0)
+    reference.compile(optimizer=_sgd(), loss=utils.sparse_ce())
+    utils.fit(reference, x, y, 30, epochs=EPOCHS)
     model = utils.seeded(_Subclassed)
     assert not model.built
-    model.compile(optimizer=_sgd(), loss=_sparse_ce())
-    model.fit(x, y, batch_size=30, epochs=EPOCHS, shuffle=False, verbose=0)
+    model.compile(optimizer=_sgd(), loss=utils.sparse_ce())
+    utils.fit(model, x, y, 30, epochs=EPOCHS)
     _assert_equivalent(initial, reference, model, EPOCHS * 2)
 
 
@@ -343,18 +276,18 @@ def test_keras_file_round_trip_keeps_micro_batch_size(tmp_path):
     """.keras files keep micro_batch_size (no custom_objects needed) and the
     loaded model trains on like the original."""
     x, y = utils.classification_data(64)
-    model = utils.seeded(_in_step(utils.mlp_layers, micro_batch_size=5))
+    model = utils.seeded(lambda: utils.accumulating_model(micro_batch_size=5))
     assert model.micro_batch_size == 5
     assert model.get_config()["micro_batch_size"] == 5
-    model.compile(optimizer=_adam(), loss=_sparse_ce())
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model.compile(optimizer=_adam(), loss=utils.sparse_ce())
+    utils.fit(model, x, y, 16)
     path = tmp_path / "m.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
     assert isinstance(loaded, GradientAccumulateModel)
     assert loaded.micro_batch_size == 5
     for m in (model, loaded):
-        m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        utils.fit(m, x, y, 16)
     utils.assert_same_weights(utils.weights(loaded), utils.weights(model))
     assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations) == 8
 
@@ -364,9 +297,8 @@ def test_keras_file_round_trip_keeps_micro_batch_size(tmp_path):
     [(0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)],
 )
 def test_invalid_micro_batch_size_is_rejected(value, error):
-    inputs, outputs = utils.mlp_layers()
     with pytest.raises(error, match="micro_batch_size"):
-        GradientAccumulateModel(micro_batch_size=value, inputs=inputs, outputs=outputs)
+        utils.accumulating_model(micro_batch_size=value)
 
 
 # ---------------------------------------------------------- mixed precision
@@ -383,10 +315,10 @@ def test_mixed_float16_stays_near_float32():
     """
     n, batch = 60, 30
     x, y = utils.classification_data(n)
-    reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+    reference = utils.seeded(utils.plain_model)
     initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=_sparse_ce())
-    reference.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=utils.sparse_ce())
+    utils.fit(reference, x, y, batch, epochs=EPOCHS)
 
     keras.mixed_precision.set_global_policy("mixed_float16")
 
@@ -395,7 +327,7 @@ def test_mixed_float16_stays_near_float32():
         hidden = keras.layers.Dense(16, activation="tanh")(inputs)
         return inputs, keras.layers.Dense(3, dtype="float32")(hidden)
 
-    model = utils.seeded(_in_step(layers))
+    model = utils.seeded(lambda: utils.accumulating_model(layers, micro_batch_size=M))
     assert model.layers[1].compute_dtype == "float16"
     # A moderate initial scale: the default (2**15) times the slice weight
     # folded into the loss (8) overflows float16 on the first steps, which
@@ -404,8 +336,8 @@ def test_mixed_float16_stays_near_float32():
     optimizer = keras.optimizers.LossScaleOptimizer(
         keras.optimizers.SGD(0.1), initial_scale=2.0**7
     )
-    model.compile(optimizer=optimizer, loss=_sparse_ce())
-    model.fit(x, y, batch_size=batch, epochs=EPOCHS, shuffle=False, verbose=0)
+    model.compile(optimizer=optimizer, loss=utils.sparse_ce())
+    utils.fit(model, x, y, batch, epochs=EPOCHS)
     keras.mixed_precision.set_global_policy("float32")
 
     assert int(model.optimizer.iterations) == EPOCHS * n // batch
@@ -415,7 +347,7 @@ def test_mixed_float16_stays_near_float32():
     diff = utils.assert_same_weights(
         utils.weights(model), utils.weights(reference), atol=1e-3
     )
-    _report(diff)
+    utils.report(diff, LABEL)
 
 
 # ------------------------------------------------------- MirroredStrategy
@@ -431,36 +363,31 @@ _MIRRORED_CHILD = textwrap.dedent(
     )
     tf.config.experimental.enable_op_determinism()
     import keras
-    from gradient_accumulator import GradientAccumulateModel
     from tests import utils
-
-    def loss():
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     for n, batch in ((64, 32), (56, 28)):
         x, y = utils.classification_data(n)
-        reference = utils.seeded(lambda: keras.Model(*utils.mlp_layers()))
+        reference = utils.seeded(utils.plain_model)
         initial = utils.weights(reference)
         reference.compile(
-            optimizer=keras.optimizers.Adam(0.01), loss=loss(), metrics=["accuracy"]
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=utils.sparse_ce(),
+            metrics=["accuracy"],
         )
-        expected = reference.fit(
-            x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0
-        ).history
+        expected = utils.fit(reference, x, y, batch, epochs=2).history
 
         strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])
         assert strategy.num_replicas_in_sync == 2
         with strategy.scope():
-            def build():
-                inputs, outputs = utils.mlp_layers()
-                return GradientAccumulateModel(
-                    micro_batch_size=8, inputs=inputs, outputs=outputs
-                )
-            model = utils.seeded(build)
-            model.compile(
-                optimizer=keras.optimizers.Adam(0.01), loss=loss(), metrics=["accuracy"]
+            model = utils.seeded(
+                lambda: utils.accumulating_model(micro_batch_size=8)
             )
-        got = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+            model.compile(
+                optimizer=keras.optimizers.Adam(0.01),
+                loss=utils.sparse_ce(),
+                metrics=["accuracy"],
+            )
+        got = utils.fit(model, x, y, batch, epochs=2)
         logs = max(
             abs(a / b - 1)
             for key in ("loss", "accuracy")

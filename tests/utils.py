@@ -219,13 +219,19 @@ def train_pair(
     sample_weight=None,
     make_loss: Callable = sparse_ce,
     compile_kwargs: dict | None = None,
+    model_kwargs: dict | None = None,
+    accumulated_compile_kwargs: dict | None = None,
 ):
     """Trains plain Keras with ``batch_size=reference_batch`` (by default
-    ``batch_size * accum_steps``) and ``GradientAccumulateModel(accum_steps)``
-    with ``batch_size``, from the same seeded weights.
+    ``batch_size * accum_steps``) and ``GradientAccumulateModel(accum_steps,
+    **model_kwargs)`` with ``batch_size``, from the same seeded weights; both
+    are compiled with ``compile_kwargs``, the accumulated model also with
+    ``accumulated_compile_kwargs``.
 
     Returns (initial weights, reference, accumulated)."""
     compile_kwargs = compile_kwargs or {}
+    model_kwargs = model_kwargs or {}
+    accumulated_compile_kwargs = accumulated_compile_kwargs or {}
     run = {"sample_weight": sample_weight, "epochs": epochs}
     reference = seeded(lambda: plain_model(layers))
     initial = weights(reference)
@@ -234,24 +240,37 @@ def train_pair(
         reference_batch = batch_size * accum_steps
     fit(reference, x, y, reference_batch, **run)
 
-    accumulated = seeded(lambda: accumulating_model(layers, accum_steps=accum_steps))
+    accumulated = seeded(
+        lambda: accumulating_model(layers, accum_steps=accum_steps, **model_kwargs)
+    )
     assert max_abs_diff(initial, weights(accumulated)) == 0.0
-    accumulated.compile(optimizer=make_optimizer(), loss=make_loss(), **compile_kwargs)
+    accumulated.compile(
+        optimizer=make_optimizer(),
+        loss=make_loss(),
+        **compile_kwargs,
+        **accumulated_compile_kwargs,
+    )
     fit(accumulated, x, y, batch_size, **run)
     return initial, reference, accumulated
 
 
 def assert_equivalent(
-    initial, reference, accumulated, updates: int, *, accumulated_moved: bool = True
+    initial,
+    reference,
+    accumulated,
+    updates: int,
+    *,
+    accumulated_moved: bool = True,
+    label: str = "max |w_accum - w_bigbatch|",
 ) -> float:
     """Asserts that training moved the weights (the reference's, and the
     accumulated model's unless ``accumulated_moved=False``), that the
     accumulated model matches the reference and that both made ``updates``
-    updates; reports and returns the max difference."""
+    updates; reports (under ``label``) and returns the max difference."""
     assert_trained(initial, weights(reference))
     if accumulated_moved:
         assert_trained(initial, weights(accumulated))
     diff = assert_same_weights(weights(accumulated), weights(reference))
     assert int(reference.optimizer.iterations) == updates
     assert int(accumulated.optimizer.iterations) == updates
-    return report(diff)
+    return report(diff, label)
