@@ -19,7 +19,7 @@ from tests import utils
 
 K = 4
 N = 16  # 4 micro-batches of 4
-VOCAB, T = 12, 10
+VOCAB, T = utils.VOCAB, utils.SEQ_LEN  # those of utils.padded_sequences
 REDUCTIONS = ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight", "none"]
 
 
@@ -44,42 +44,27 @@ def _sequences(seed: int = 1):
     per-token weights; the micro-batches hold very different token counts."""
     rng = np.random.default_rng(seed)
     lengths = np.array([1, 2, 1, 3, 9, 10, 8, 10, 4, 5, 6, 1, 10, 2, 7, 3])
-    x = np.zeros((N, T), "int32")
-    for i, length in enumerate(lengths):
-        x[i, :length] = rng.integers(1, VOCAB, length)
-    y = rng.integers(0, VOCAB, (N, T))
+    x, y = utils.padded_sequences(lengths, rng)
     weights = rng.uniform(0.2, 2.0, (N, T)).astype("float32")
     return x, y, weights
-
-
-def _ce(reduction):
-    return keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=reduction
-    )
 
 
 def _pair(layers, make_loss, x, y, sample_weight=None, lr=0.5, micro_batch_size=None):
     """(initial, big-batch reference, accumulated) after one epoch: one
     update of N samples each."""
-    reference = utils.seeded(lambda: keras.Model(*layers()))
-    initial = utils.weights(reference)
-    reference.compile(optimizer=keras.optimizers.SGD(lr), loss=make_loss())
-    fit = {"sample_weight": sample_weight, "shuffle": False, "verbose": 0}
-    reference.fit(x, y, batch_size=N, **fit)
-
-    def build():
-        inputs, outputs = layers()
-        return GradientAccumulateModel(
-            K if micro_batch_size is None else 1,
-            inputs=inputs,
-            outputs=outputs,
-            micro_batch_size=micro_batch_size,
-        )
-
-    accumulated = utils.seeded(build)
-    accumulated.compile(optimizer=keras.optimizers.SGD(lr), loss=make_loss())
-    batch = N // K if micro_batch_size is None else N
-    accumulated.fit(x, y, batch_size=batch, **fit)
+    in_step = micro_batch_size is not None
+    initial, reference, accumulated = utils.train_pair(
+        layers,
+        lambda: keras.optimizers.SGD(lr),
+        x,
+        y,
+        batch_size=N if in_step else N // K,
+        accum_steps=1 if in_step else K,
+        epochs=1,
+        sample_weight=sample_weight,
+        make_loss=make_loss,
+        model_kwargs={"micro_batch_size": micro_batch_size},
+    )
     assert int(accumulated.optimizer.iterations) == 1
     return initial, reference, accumulated
 
@@ -99,9 +84,8 @@ def test_masked_tagger_every_reduction(reduction, weighted):
     K=4: each micro-batch counts with the denominator Keras uses (unmasked
     tokens, their weights' sum, or 1 for a sum)."""
     x, y, weights = _sequences()
-    _check(
-        *_pair(_tagger(), lambda: _ce(reduction), x, y, weights if weighted else None)
-    )
+    loss = lambda: utils.sparse_ce(reduction=reduction)  # noqa: E731
+    _check(*_pair(_tagger(), loss, x, y, weights if weighted else None))
 
 
 def test_mean_with_sample_weight_under_a_mask_is_not_a_sample_mean():
@@ -111,18 +95,9 @@ def test_mean_with_sample_weight_under_a_mask_is_not_a_sample_mean():
     micro-batch gradients differs from the big batch's."""
     x, y, _ = _sequences()
     layers, lr = _tagger(), 0.5
-    _, reference, _ = _pair(layers, lambda: _ce("mean_with_sample_weight"), x, y)
-    model = utils.seeded(lambda: keras.Model(*layers()))
-    loss = _ce("mean_with_sample_weight")
-    total = None
-    for start in range(0, N, N // K):
-        part = slice(start, start + N // K)
-        with tf.GradientTape() as tape:
-            value = loss(y[part], model(x[part], training=True))
-        grads = tape.gradient(value, model.trainable_weights)
-        grads = [np.asarray(tf.convert_to_tensor(g)) for g in grads]
-        total = grads if total is None else [a + b for a, b in zip(total, grads)]
-    naive = [w - lr * g / K for w, g in zip(utils.weights(model), total)]
+    loss = lambda: utils.sparse_ce(reduction="mean_with_sample_weight")  # noqa: E731
+    _, reference, _ = _pair(layers, loss, x, y)
+    naive = utils.naive_sgd_step(layers, x, y, lr, N // K, make_loss=loss)
     gap = utils.max_abs_diff(naive, utils.weights(reference))
     assert gap > 100 * utils.ATOL, f"sample weighting is only {gap:.3g} off"
 
@@ -132,7 +107,7 @@ def test_sum_reduction_counts_regularisation_once_per_cycle():
     per micro-batch."""
     x, y, _ = _sequences()
     layers = _tagger(regularizer=keras.regularizers.L2(0.05))
-    _check(*_pair(layers, lambda: _ce("sum"), x, y, lr=0.05))
+    _check(*_pair(layers, lambda: utils.sparse_ce(reduction="sum"), x, y, lr=0.05))
 
 
 # ------------------------------------------------------------ several outputs
@@ -154,7 +129,7 @@ def _two_head_data():
 
 def _two_losses(cls, reg):
     return lambda: {
-        "cls": _ce(cls),
+        "cls": utils.sparse_ce(reduction=cls),
         "reg": keras.losses.MeanSquaredError(reduction=reg),
     }
 
@@ -227,7 +202,10 @@ def test_two_heads_on_one_mask_are_exact_and_other_masks_refused():
     whose output is masked otherwise is refused."""
     x, y, _ = _sequences()
     targets = {"tag0": y, "tag1": y[:, ::-1].copy()}
-    both = lambda: {"tag0": _ce("mean"), "tag1": _ce("sum_over_batch_size")}  # noqa: E731
+    both = lambda: {  # noqa: E731
+        "tag0": utils.sparse_ce(reduction="mean"),
+        "tag1": utils.sparse_ce(reduction="sum_over_batch_size"),
+    }
     _check(*_pair(_tagger(heads=2), both, x, targets))
 
     def other_mask():
