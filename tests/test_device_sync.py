@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator import GradientAccumulateOptimizer
 from tests import utils
 
 COND_TYPES = {"If", "StatelessIf"}
