@@ -304,13 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="epochs per fit call (one timed call per variant per round)",
     )
-    parser.add_argument("--hidden", type=int, default=64, help="units per hidden layer")
-    parser.add_argument(
-        "--micro-batch", type=int, default=16, help="micro-batch (and slice) size m"
-    )
-    parser.add_argument(
-        "--accum-steps", type=int, default=4, help="micro-batches per update K"
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--scale", type=int, default=2, help="copies of load_digits (1,797 samples)"
     )
@@ -320,13 +314,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.scale = 2, 1
+    check_arguments(parser, args, ("rounds", "epochs_per_round", "scale"))
+    return args
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and accumulation options this script shares with step_ops.py."""
+    parser.add_argument("--hidden", type=int, default=64, help="units per hidden layer")
+    parser.add_argument(
+        "--micro-batch", type=int, default=16, help="micro-batch (and slice) size m"
+    )
+    parser.add_argument(
+        "--accum-steps", type=int, default=4, help="micro-batches per update K"
+    )
+
+
+def check_arguments(parser, args, positive: tuple[str, ...]) -> None:
+    """Refuses what the model options and the ``positive`` ones cannot be."""
     if args.accum_steps < 2:
         # Keras' gradient_accumulation_steps (the baseline) requires >= 2.
         parser.error("--accum-steps must be >= 2")
-    for name in ("rounds", "epochs_per_round", "hidden", "micro_batch", "scale"):
+    for name in (*positive, "hidden", "micro_batch"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

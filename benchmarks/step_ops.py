@@ -92,7 +92,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from epoch import (
     BIG_BATCH,
     DESCRIPTIONS,
+    add_model_arguments,
     build_variant,
+    check_arguments,
     digits,
     gradient_accumulator,
     keras,
@@ -714,13 +716,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile-updates", type=int, default=3, help="updates profiled per variant"
     )
-    parser.add_argument("--hidden", type=int, default=64, help="units per hidden layer")
-    parser.add_argument(
-        "--micro-batch", type=int, default=16, help="micro-batch (and slice) size m"
-    )
-    parser.add_argument(
-        "--accum-steps", type=int, default=4, help="micro-batches per update K"
-    )
+    add_model_arguments(parser)
     parser.add_argument(
         "--with-big-batch",
         action="store_true",
@@ -738,11 +734,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.updates = 2, 2
-    if args.accum_steps < 2:
-        parser.error("--accum-steps must be >= 2")  # Keras' built-in needs it
-    for name in ("rounds", "updates", "profile_updates", "hidden", "micro_batch"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_arguments(parser, args, ("rounds", "updates", "profile_updates"))
     return args
 
 
