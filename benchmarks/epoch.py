@@ -121,6 +121,7 @@ VARIANTS = (
     "plain-micro",
     "keras-builtin",
     "ours-model",
+    "ours-model-logs",
     "ours-in-step",
     "ours-optimizer",
 )
@@ -129,6 +130,8 @@ DESCRIPTIONS = {
     "plain-micro": "plain Keras, micro-batch",
     "keras-builtin": "Keras `gradient_accumulation_steps`",
     "ours-model": "`GradientAccumulateModel(accum_steps)` streaming",
+    "ours-model-logs": "the same with `progress_logs=True` (3 more log entries "
+    "per step)",
     "ours-in-step": "`GradientAccumulateModel(micro_batch_size)` in-step",
     "ours-optimizer": "`GradientAccumulateOptimizer`",
 }
@@ -162,9 +165,12 @@ def build_variant(
     h = keras.layers.Dense(hidden, activation="relu")(h)
     outputs = keras.layers.Dense(CLASSES)(h)
     optimizer = keras.optimizers.Adam(1e-3)
-    if variant == "ours-model":
+    if variant in ("ours-model", "ours-model-logs"):
         model = GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs
+            accum_steps=accum_steps,
+            progress_logs=variant == "ours-model-logs",
+            inputs=inputs,
+            outputs=outputs,
         )
     elif variant == "ours-in-step":
         model = GradientAccumulateModel(

@@ -48,14 +48,15 @@ What it measures
     difference per update, less the kernel time difference, over the added
     executor nodes per update.
 
-    ``--probes`` adds two variants of the model wrapper with one extra taken
-    out while its step is traced, to measure what that extra costs (they
-    are probes, not options of the package): ``probe-no-logs`` without the
-    three log entries the wrapper adds to every step's logs (``update``,
-    ``grad_norm``, ``effective_batch``), ``probe-constant-logs`` with those
-    entries made constants (the step keeps its outputs, the ops computing
-    them are gone), ``probe-unchecked`` without the finite check that gates
-    the update (a NaN would reach the weights).
+    ``ours-model-logs`` is the model wrapper with ``progress_logs=True``
+    (three more entries in every step's logs: ``update``, ``grad_norm``,
+    ``effective_batch``). ``--probes`` adds two variants of the model wrapper
+    with something changed while its step is traced, to measure what it
+    costs (they are probes, not options of the package):
+    ``probe-constant-logs``, ``ours-model-logs`` with those entries made
+    constants (the step keeps its outputs, the ops computing them are gone),
+    and ``probe-unchecked``, ``ours-model`` without the finite check that
+    gates the update (a NaN would reach the weights).
 
     The script reports and never asserts; it
     always exits 0. It uses TensorFlow internals (the eager context's graph
@@ -111,6 +112,7 @@ VARIANTS = (
     "plain-micro",
     "keras-builtin",
     "ours-model",
+    "ours-model-logs",
     "ours-in-step",
     "ours-optimizer",
 )
@@ -119,12 +121,15 @@ VARIANTS = (
 # package (without the finite check a NaN reaches the weights). They patch
 # private names of the package and are skipped if those have moved.
 PROBES = {
-    "probe-no-logs": "ours-model without its 3 per-step log entries "
-    "(update, grad_norm, effective_batch)",
-    "probe-constant-logs": "ours-model with its 3 log entries made constants "
-    "(the step's outputs kept, the ops computing them gone)",
+    "probe-constant-logs": "ours-model-logs with its 3 log entries made "
+    "constants (the step's outputs kept, the ops computing them gone)",
     "probe-unchecked": "ours-model without the finite check (sum of squares, "
     "IsFinite and its cond)",
+}
+# The variant each probe changes.
+PROBE_BASES = {
+    "probe-constant-logs": "ours-model-logs",
+    "probe-unchecked": "ours-model",
 }
 CONTROL_FLOW = ("If", "StatelessIf", "While", "StatelessWhile")
 CALLS = ("StatefulPartitionedCall", "PartitionedCall")
@@ -422,20 +427,17 @@ class Runner:
 
 @contextlib.contextmanager
 def probe_patch(variant: str):
-    """While a probe's step is traced: the engine's log entries are none
-    (``probe-no-logs``) or its sum of squares is a constant 0, so the update
-    is gated by a constant predicate (``probe-unchecked``)."""
-    if variant in ("probe-no-logs", "probe-constant-logs"):
+    """While a probe's step is traced: the engine's log entries are
+    constants (``probe-constant-logs``) or its sum of squares is a constant
+    0, so the update is gated by a constant predicate (``probe-unchecked``)."""
+    if variant == "probe-constant-logs":
         from gradient_accumulator import engine
 
         owner, name = engine.Engine, "logs"
         original = owner.logs
-        if variant == "probe-no-logs":
-            value = lambda self: {}  # noqa: E731
-        else:
-            value = lambda self: {  # noqa: E731
-                key: tf.constant(0.0) for key in original(self)
-            }
+        value = lambda self: {  # noqa: E731
+            key: tf.constant(0.0) for key in original(self)
+        }
     elif variant == "probe-unchecked":
         from gradient_accumulator import arithmetic
 
@@ -471,9 +473,7 @@ def _prepare(variant: str, args: argparse.Namespace) -> Runner:
     n = 8 * k * m  # whole batches only
     dataset = tf.data.Dataset.from_tensor_slices((x[:n], y[:n]))
     dataset = dataset.batch(batch).cache().repeat()
-    model = build_variant(
-        "ours-model" if variant in PROBES else variant, args.hidden, m, k
-    )
+    model = build_variant(PROBE_BASES.get(variant, variant), args.hidden, m, k)
     steps = 1 if big else k
     eager = context.context()
     eager.enable_graph_collection()  # the graphs of functions run from now on
@@ -693,7 +693,6 @@ def available_probes() -> list[str]:
 
     found = []
     for probe, owner, name in (
-        ("probe-no-logs", getattr(engine, "Engine", None), "logs"),
         ("probe-constant-logs", getattr(engine, "Engine", None), "logs"),
         ("probe-unchecked", arithmetic, "squared_norm"),
     ):

@@ -37,6 +37,7 @@ def accumulate(
     partial_cycle: str = "carry",
     flush_at_end: bool = True,
     skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
+    progress_logs: bool = False,
     use_agc: bool = False,
     clip_factor: float = 0.01,
     eps: float = 1e-3,
@@ -67,6 +68,8 @@ def accumulate(
         flush_at_end: flush a carried partial cycle when ``fit`` ends.
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``;
             True skips the cycle. Not saved in ``.keras`` files.
+        progress_logs: add ``update``, ``grad_norm`` and ``effective_batch``
+            to every step's logs.
         use_agc: adaptive gradient clipping of the accumulated gradient.
         clip_factor: its clipping factor (``> 0``).
         eps: its epsilon (``> 0``).
@@ -117,6 +120,7 @@ def accumulate(
         partial_cycle=partial_cycle,
         flush_at_end=flush_at_end,
         skip_update_fn=skip_update_fn,
+        progress_logs=progress_logs,
     )
     model.__class__ = _accumulating_class(own)
     model._start_accumulating(settings)

@@ -36,6 +36,7 @@ class Settings:
     micro_batch_size: int | None = None
     partial_cycle: str = "carry"
     flush_at_end: bool = True
+    progress_logs: bool = False
     # A function: not saved in files (see SAVED).
     skip_update_fn: Callable[[list, list], tf.Tensor] | None = None
 
@@ -48,6 +49,7 @@ class Settings:
         set_checked("micro_batch_size", check_micro_batch_size(self.micro_batch_size))
         check_choice("partial_cycle", self.partial_cycle, PARTIAL_CYCLE)
         check_bool("flush_at_end", self.flush_at_end)
+        check_bool("progress_logs", self.progress_logs)
 
     def accumulator(self) -> Accumulator:
         """A new, unbuilt engine with these settings."""

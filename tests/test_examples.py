@@ -71,6 +71,7 @@ def test_epoch_benchmark_quick_prints_table_and_targets():
         "plain-micro": 16,
         "keras-builtin": 16,
         "ours-model": 16,
+        "ours-model-logs": 16,
         "ours-in-step": 64,
         "ours-optimizer": 16,
     }
@@ -103,9 +104,9 @@ def test_step_ops_benchmark_quick_prints_its_tables():
         "plain-micro",
         "keras-builtin",
         "ours-model",
+        "ours-model-logs",
         "ours-in-step",
         "ours-optimizer",
-        "probe-no-logs",
         "probe-constant-logs",
         "probe-unchecked",
     ):

@@ -14,6 +14,7 @@ from gradient_accumulator import (
     FlushPartialCycle,
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
+    accumulate,
     adaptive_clip_grad,
     unitwise_norm,
 )
@@ -271,8 +272,8 @@ def test_skip_update_fn_skips_whole_cycles():
 
 
 # ---------------------------------------------------------------------- logs
-def test_logs_tell_updates_from_micro_steps():
-    """Per-step logs: ``update`` is 1 on the steps that applied a cycle,
+def test_progress_logs_tell_updates_from_micro_steps():
+    """With ``progress_logs=True``: ``update`` is 1 on the steps that applied a cycle,
     ``effective_batch`` its sample count, ``grad_norm`` the global norm of the
     big batch's gradient (computed here with a plain tape)."""
     x, y = utils.classification_data(2 * K * B)
@@ -290,7 +291,7 @@ def test_logs_tell_updates_from_micro_steps():
             seen.append({k: float(logs[k]) for k in ("update", "grad_norm")})
             seen[-1]["effective_batch"] = float(logs["effective_batch"])
 
-    model = _accumulating()
+    model = _accumulating(progress_logs=True)
     history = _fit(model, x, y, callbacks=[Record()])
     assert [s["update"] for s in seen] == [0, 0, 0, 1, 0, 0, 0, 1]
     assert seen[3]["effective_batch"] == K * B
@@ -386,3 +387,52 @@ def test_flush_includes_batch_norm_statistics():
     ]:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     assert float(np.max(np.abs(np.asarray(ours.moving_mean)))) > 0.1
+
+
+@pytest.mark.parametrize("mode", ["streaming", "in-step", "accumulate"])
+def test_step_logs_are_the_plain_models_by_default(mode, tmp_path):
+    """Without ``progress_logs`` every step logs what the plain model's step
+    logs (the same keys, for callbacks and ``History``); with it, the three
+    progress entries come on top, in every mode and after a ``.keras`` round
+    trip (the setting is saved)."""
+    x, y = utils.classification_data(2 * K * B)
+    keys = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            keys.append(sorted(logs))
+
+    def make(**progress):
+        if mode == "accumulate":
+            return _compiled(
+                lambda: accumulate(utils.plain_model(), accum_steps=K, **progress),
+                None,
+            )
+        if mode == "in-step":
+            return _accumulating(accum_steps=1, micro_batch_size=B, **progress)
+        return _accumulating(**progress)
+
+    batch = K * B if mode == "in-step" else B
+    _fit(_plain(), x, y, batch_size=batch, callbacks=[Record()])
+    plain_keys = keys[-1]
+    keys.clear()
+    history = _fit(make(), x, y, batch_size=batch, callbacks=[Record()])
+    assert keys and all(k == plain_keys for k in keys), (keys, plain_keys)
+    assert sorted(history.history) == plain_keys
+
+    progress = ["effective_batch", "grad_norm", "update"]
+    model = make(progress_logs=True)
+    keys.clear()
+    _fit(model, x, y, batch_size=batch, callbacks=[Record()])
+    assert all(k == sorted(plain_keys + progress) for k in keys), keys
+    path = str(tmp_path / "progress.keras")
+    model.save(path)
+    reloaded = keras.models.load_model(path)
+    keys.clear()
+    _fit(reloaded, x, y, batch_size=batch, callbacks=[Record()])
+    assert all(k == sorted(plain_keys + progress) for k in keys), keys
+
+
+def test_progress_logs_must_be_a_bool():
+    with pytest.raises(TypeError, match="progress_logs"):
+        utils.accumulating_model(accum_steps=K, progress_logs="yes")
