@@ -444,7 +444,8 @@ class Engine(tf.Module):
         ``sum(weight * grad)`` and ``sum(count)`` grow; ``weight=None`` adds the
         gradients as they are (the host folded the weight into its loss).
         ``count`` defaults to ``weight`` (``1`` when that is None); ``samples``
-        (for logs) to 0. ``empty``: the ``empty`` flag, if already read.
+        (for logs) to 0. ``empty``: the ``empty`` flag, if already read, or
+        ``False`` after :meth:`open_sums` (the sums are running sums then).
         Returns which gradients were present.
         """
         buffers = self._buffers_for(variables)
@@ -467,16 +468,43 @@ class Engine(tf.Module):
                             tf.zeros(buffer.shape, buffer.dtype)
                         )
 
-        if empty is None:
-            empty = arithmetic.raw(self.empty)
-        tf.cond(empty, lambda: add_all(True), lambda: add_all(False))
-        arithmetic.raw(self.empty).assign(False)
+        if empty is False:
+            add_all(False)
+        else:
+            if empty is None:
+                empty = arithmetic.raw(self.empty)
+            tf.cond(empty, lambda: add_all(True), lambda: add_all(False))
+            arithmetic.raw(self.empty).assign(False)
         if count is None:
             count = 1.0 if weight is None else weight
         arithmetic.raw(self.weight_sum).assign_add(tf.cast(count, tf.float32))
         if samples is not None:
             arithmetic.raw(self.sample_sum).assign_add(tf.cast(samples, tf.float32))
         return [g is not None for g in grads]
+
+    def open_sums(self, variables: Sequence) -> None:
+        """Readies the sums for several :meth:`add` calls in one micro-step
+        (the slices of an in-step loop): an empty cycle's sums are cleared
+        here, once, so that each add after it (``empty=False``) adds
+        without a cond of its own. Replica context; no communication."""
+        maxima = {
+            id(b)
+            for b, v in zip(self._buffers_for(variables), variables)
+            if arithmetic.overwritten(v)
+        }
+
+        def clear():
+            for buffer in self.grad_sums:
+                # A cycle maximum starts below every value it will see.
+                dtype = tf.as_dtype(buffer.dtype)
+                fill = dtype.min if id(buffer) in maxima else 0
+                value = tf.fill(buffer.shape, tf.constant(fill, dtype))
+                arithmetic.raw(buffer).assign(value)
+            return tf.constant(True)
+
+        empty = arithmetic.raw(self.empty)
+        tf.cond(empty, clear, lambda: tf.constant(False))
+        empty.assign(False)
 
     def step(
         self,

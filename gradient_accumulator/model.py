@@ -487,16 +487,22 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         divisible by the slice size) runs after the loop, in a ``tf.cond``.
         Slices are added to the replica-local sums only (``Accumulator.add``:
         no communication, no ``merge_call``, hence legal in a loop body under
-        a strategy); the one ``end_micro_step`` after them decides, all-reduces
-        and applies. Full slices have the static size ``micro_batch_size`` and
-        the remainder's size derives from the batch's shape only, which keeps
-        every slice shape a compile-time constant under XLA.
+        a strategy), which ``open_sums`` readies once before the loop; the one
+        ``end_micro_step`` after them decides, all-reduces and applies. Full
+        slices have the static size ``micro_batch_size`` and the remainder's
+        size derives from the batch's shape only, which keeps every slice
+        shape a compile-time constant under XLA.
         """
         accumulator = self._accumulator
         size = self.micro_batch_size
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         batch = _batch_size(x)
         full = batch // size
+        # A subclassed model called outside fit may build its variables (and
+        # so the sums) only in its first slice: its adds clear the sums.
+        opened = accumulator.built
+        if opened:
+            accumulator.open_sums(self.trainable_weights)
         # Which variables get gradients is structural: the same in every
         # slice, recorded when the slice is traced (run, when eager).
         present: list[list[bool]] = []
@@ -513,6 +519,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                     weight=micro.grad_weight,
                     count=micro.count,
                     samples=micro.samples,
+                    empty=False if opened else None,
                 )
             )
             # Keras' stateful metrics keep additive totals (sums and counts,

@@ -240,6 +240,45 @@ def test_add_then_end_micro_step_path(mode):
     assert float(acc.weight_sum.numpy()) == 0.0
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_open_sums_then_adds_without_the_empty_check(mode):
+    """The in-step path: ``open_sums`` once per micro-step, then several
+    ``add(..., empty=False)`` (the slices). An empty cycle's leftovers are
+    cleared first, a running cycle's sums are kept, and a cycle maximum
+    (``overwrite_with_gradient``) starts below negative values."""
+    v, m = _variables((2,), (2,))
+    m.overwrite_with_gradient = True
+    acc = Accumulator(2)
+    acc.build([v, m])
+    rec = Recorder([v, m])
+    for buffer in acc.grad_sums:  # leftovers of an earlier cycle
+        buffer.assign([100.0, 100.0])
+
+    def step(slices):
+        acc.open_sums([v, m])
+        present = None
+        for grad, peak in slices:
+            present = acc.add([grad, peak], [v, m], empty=False)
+        return acc.end_micro_step([v, m], present, rec.apply_fn, rec.on_apply)
+
+    run = step if mode == "eager" else tf.function(step)
+    first = [(tf.constant([1.0, -1.0]), tf.constant([-5.0, -7.0]))] * 2
+    assert not bool(run(first))
+    np.testing.assert_array_equal(acc.grad_sums[0].numpy(), [2.0, -2.0])
+    np.testing.assert_array_equal(acc.grad_sums[1].numpy(), [-5.0, -7.0])
+    assert float(acc.weight_sum.numpy()) == 2.0
+    second = [
+        (tf.constant([3.0, -3.0]), tf.constant([-6.0, -2.0])),
+        (tf.constant([4.0, -4.0]), tf.constant([-9.0, -9.0])),
+    ]
+    assert bool(run(second))
+    # (1 + 1 + 3 + 4) / 4 slices; the maximum over all four.
+    np.testing.assert_array_equal(rec.got(0), [2.25, -2.25])
+    np.testing.assert_array_equal(rec.got(1), [-5.0, -2.0])
+    assert rec.counts() == (1, 1, 0)
+    assert _state(acc)["empty"] and _state(acc)["weight_sum"] == 0.0
+
+
 def test_under_a_one_replica_mirrored_strategy():
     """Under a strategy every micro-batch goes through the (replica-local)
     buffers, a sparse one through the replica's own component; the mean is
