@@ -287,6 +287,11 @@ class Engine(tf.Module):
         leader, if it follows one, keeps)."""
         return tf.equal(self.clock.micro_step, 0)
 
+    def cycle_length(self) -> tf.Tensor:
+        """Micro-batches in the current cycle, a float32 tensor (read when
+        the step runs, so a scheduled change is seen)."""
+        return tf.cast(self.clock.accum_steps_variable, tf.float32)
+
     def plain(self) -> bool:
         """Whether every cycle is one micro-batch with nothing to do at its
         end (``accum_steps`` 1 now and next, nothing pending, no AGC and no

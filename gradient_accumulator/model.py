@@ -406,12 +406,15 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
     def _apply_fn(self, variables):
         return lambda grads: apply_gradients(self.optimizer, grads, variables)
 
-    def _micro_batch_gradients(self, x, y, sample_weight, opens_step=None) -> _Micro:
+    def _micro_batch_gradients(
+        self, x, y, sample_weight, opens_step=None, step_samples=None
+    ) -> _Micro:
         """Forward pass, loss, weight and gradients of one micro-batch.
 
         Shared by the streaming ``train_step`` (one micro-batch per step) and
         the in-step loop (one per slice). ``opens_step``: for a slice, whether
-        it is its step's first (see :meth:`_micro_batch_weight`).
+        it is its step's first (see :meth:`_micro_batch_weight`);
+        ``step_samples``: for a slice, the samples of its whole step.
         """
         accumulator = self._accumulator
         with tf.GradientTape() as tape:
@@ -449,19 +452,27 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 penalty = unscale_loss_for_distribution(penalty)
                 loss = loss - (1.0 - tf.cast(count, loss.dtype)) * penalty
             scale = loss_scale(self.optimizer)
-            if scale is None and not _has_overwritten(self):
+            if _has_overwritten(self):
+                # float8 layers record the backward pass's magnitudes (their
+                # output-gradient amax) as Keras' own accumulation does: from
+                # the micro-batch's own loss, so the weight goes on the
+                # gradients; unscaling there keeps every sum in one unit.
+                loss_weight = 1.0
+                grad_weight = weight if scale is None else weight / scale
+            elif scale is None:
                 # Weighting the scalar loss rather than the gradients spares
                 # a multiply over every gradient element on every micro-step.
                 loss_weight, grad_weight = tf.stop_gradient(weight), None
             else:
-                # Under a loss scale the float16 backward pass must not carry
-                # the weight (it would overflow sooner than Keras' would);
-                # unscaling here keeps every micro-batch's sum in one unit.
-                # float8 layers record the backward pass's magnitudes (their
-                # output-gradient amax) as Keras' own accumulation does: from
-                # the micro-batch's own loss, so the weight goes here too.
-                loss_weight = 1.0
-                grad_weight = weight if scale is None else weight / scale
+                # A micro-batch's mean loss gives each of its samples about
+                # accum_steps times the part of the backward pass it has in
+                # the big batch, so float16 would overflow (and skip the
+                # cycle) where the big batch does not: the loss is divided
+                # by that factor first. The gradients are unscaled by it and
+                # by the loss scale, so the sums stay in one unit and exactly
+                # weighted whatever the factor. A summed loss needs none.
+                loss_weight = tf.stop_gradient(self._share_of_cycle(x, step_samples))
+                grad_weight = weight / (scale * loss_weight)
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
@@ -476,6 +487,18 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             samples=_batch_size(x),
             grad_weight=grad_weight,
         )
+
+    def _share_of_cycle(self, x, step_samples=None) -> tf.Tensor:
+        """About this micro-batch's share of its cycle's samples, the factor
+        by which a mean loss over it outweighs its samples' part in the big
+        batch's loss (1 for a summed loss, which has no such factor)."""
+        if sums_losses(flat_losses(self)):
+            return tf.constant(1.0)
+        share = 1.0 / self._accumulator.cycle_length()
+        if step_samples is None:
+            return share
+        samples = tf.cast(_batch_size(x), tf.float32)
+        return share * samples / tf.cast(step_samples, tf.float32)
 
     def _in_step_train_step(self, data):
         """One ``fit`` step = the batch cut into ``micro_batch_size`` slices,
@@ -511,7 +534,9 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             pick = functools.partial(_slice, start=start, length=length)
             xs, ys, ws = (tf.nest.map_structure(pick, t) for t in (x, y, sample_weight))
             opens_step = tf.equal(start, 0)
-            micro = self._micro_batch_gradients(xs, ys, ws, opens_step=opens_step)
+            micro = self._micro_batch_gradients(
+                xs, ys, ws, opens_step=opens_step, step_samples=batch
+            )
             present.append(
                 accumulator.add(
                     micro.grads,

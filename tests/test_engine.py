@@ -440,6 +440,16 @@ def test_set_accum_steps_mid_cycle_waits_for_the_boundary(mode):
     assert rec.counts() == (2, 2, 0)
 
 
+def test_cycle_length_is_read_when_the_step_runs():
+    (v,) = _variables((1,))
+    acc = Accumulator(4)
+    acc.build([v])
+    length = tf.function(acc.cycle_length)
+    assert float(length()) == 4.0
+    acc.set_accum_steps(2)  # between cycles: from now on
+    assert float(length()) == 2.0
+
+
 def test_set_accum_steps_between_cycles_is_immediate():
     (v,) = _variables((1,))
     acc = Accumulator(4)

@@ -30,9 +30,12 @@ updates).
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests import utils
@@ -347,3 +350,63 @@ def test_static_loss_scale_factor_of_the_wrapped_optimizer(policy):
     utils.report(
         utils.assert_same_weights(utils.weights(model), utils.weights(reference), atol)
     )
+
+
+# -------------------------------------------------------------- predivide
+def _overflows(model: keras.Model, x, y, scale: float) -> bool:
+    """Whether ``model``'s float16 backward pass of the mean loss over
+    ``x``, ``y`` at loss scale ``scale`` has a non-finite gradient."""
+    with tf.GradientTape() as tape:
+        loss = utils.sparse_ce()(y, model(x, training=True)) * scale
+    grads = tape.gradient(loss, model.trainable_weights)
+    return not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+
+
+@pytest.mark.parametrize("mode", ["streaming", "in-step"])
+def test_float16_skips_no_cycle_the_big_batch_applies(mode):
+    """At the largest loss scale at which the big batch's float16 backward
+    pass stays finite, a micro-batch's own mean loss (each sample weighing
+    ``K`` times its part of the big batch's) overflows; the model wrapper
+    divides each micro-batch's loss by its share of the cycle first, so it
+    applies every cycle the big batch applies, with the big batch's scale
+    and weights.
+
+    The data make the per-sample gradients the largest of the backward
+    pass, which the share multiplies: one input (near zero) with labels
+    alternating between two classes, so the gradients summed over samples
+    (the weights') nearly cancel while each sample's logit gradient is
+    about ``scale / 2 / batch``.
+    """
+    layers = functools.partial(utils.mlp_layers, classes=2)
+    x1, _ = utils.classification_data(1, seed=4)
+    x = np.repeat(x1 * 0.01, 3 * CYCLE, axis=0)
+    y = np.arange(3 * CYCLE) % 2
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        probe = utils.seeded(lambda: utils.plain_model(layers))
+        scale = 2.0
+        while not _overflows(probe, x[:CYCLE], y[:CYCLE], 2 * scale):
+            scale *= 2
+        # The precondition that makes this test able to fail.
+        assert _overflows(probe, x[:B], y[:B], scale), scale
+
+        def compiled(model):
+            sgd = keras.optimizers.SGD(LR, momentum=0.5)
+            optimizer = LSO(sgd, initial_scale=scale, dynamic_growth_steps=1000)
+            model.compile(optimizer=optimizer, loss=utils.sparse_ce())
+            return model
+
+        big = compiled(utils.seeded(lambda: utils.plain_model(layers)))
+        big.fit(x, y, batch_size=CYCLE, shuffle=False, verbose=0)
+        streaming = mode == "streaming"
+        settings = {"accum_steps": K} if streaming else {"micro_batch_size": B}
+        ours = compiled(
+            utils.seeded(lambda: utils.accumulating_model(layers, **settings))
+        )
+        ours.fit(x, y, batch_size=B if streaming else CYCLE, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert int(big.optimizer.iterations) == 3
+    assert int(ours.optimizer.iterations) == 3
+    assert float(ours.optimizer.dynamic_scale) == float(big.optimizer.dynamic_scale)
+    utils.assert_same_weights(utils.weights(ours), utils.weights(big), F16_ATOL)
