@@ -100,6 +100,8 @@ def _count(optimizer) -> None:
 #   inner._has_own_loss_scaler: True when the user built the inner optimizer
 #       around its own LossScaleOptimizer; the wrapper ``compile`` added on
 #       top then only passes calls through, so one scale is ever in use.
+#   inner._backward_share(): what the scaled loss is also multiplied by (a
+#       micro-batch's share of its cycle), which the cycle's sums undo.
 class CycleLossScaleOptimizer(LossScaleOptimizer):
     """Keras' LossScaleOptimizer around an accumulating optimizer: the scale
     is checked, skipped and grown per cycle, by the optimizer it wraps."""
@@ -118,7 +120,7 @@ class CycleLossScaleOptimizer(LossScaleOptimizer):
     def scale_loss(self, loss):
         if self.inner_optimizer._has_own_loss_scaler:
             return self.inner_optimizer.scale_loss(loss)
-        return super().scale_loss(loss)
+        return super().scale_loss(loss) * self.inner_optimizer._backward_share()
 
 
 # Saved files name Keras' class, which adopt() turns into this one on load.

@@ -37,7 +37,12 @@ from gradient_accumulator.validation import (
     take_05_keywords,
     warn_unneeded,
 )
-from gradient_accumulator.weighting import loss_share, micro_batch_weight, sums_losses
+from gradient_accumulator.weighting import (
+    backward_share,
+    loss_share,
+    micro_batch_weight,
+    sums_losses,
+)
 
 _DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
 
@@ -489,16 +494,14 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         )
 
     def _share_of_cycle(self, x, step_samples=None) -> tf.Tensor:
-        """About this micro-batch's share of its cycle's samples, the factor
-        by which a mean loss over it outweighs its samples' part in the big
-        batch's loss (1 for a summed loss, which has no such factor)."""
-        if sums_losses(flat_losses(self)):
-            return tf.constant(1.0)
-        share = 1.0 / self._accumulator.cycle_length()
-        if step_samples is None:
-            return share
-        samples = tf.cast(_batch_size(x), tf.float32)
-        return share * samples / tf.cast(step_samples, tf.float32)
+        """``weighting.backward_share`` of this micro-batch or slice."""
+        part = None
+        if step_samples is not None:
+            samples = tf.cast(_batch_size(x), tf.float32)
+            part = samples / tf.cast(step_samples, tf.float32)
+        return backward_share(
+            sums_losses(flat_losses(self)), self._accumulator.cycle_length(), part
+        )
 
     def _in_step_train_step(self, data):
         """One ``fit`` step = the batch cut into ``micro_batch_size`` slices,

@@ -33,7 +33,7 @@ from gradient_accumulator.validation import (
     take_05_keywords,
     warn_unneeded,
 )
-from gradient_accumulator.weighting import optimizer_weight
+from gradient_accumulator.weighting import backward_share, optimizer_weight
 
 _REDUCTIONS = ("MEAN", "SUM")
 _CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
@@ -176,7 +176,19 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         return optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def scale_loss(self, loss):
-        return self.inner_optimizer.scale_loss(loss)
+        loss = self.inner_optimizer.scale_loss(loss)
+        if self._has_own_loss_scaler:
+            loss = loss * self._backward_share()
+        return loss
+
+    def _backward_share(self) -> float:
+        """``weighting.backward_share`` of one call under a dynamic loss
+        scale, fixed when the step is traced: ``scale_loss`` and ``apply``
+        of one step use the same value (exactness needs only that; the size
+        need only be about right)."""
+        if not self._accumulates:
+            return 1.0
+        return backward_share(self.reduction == "SUM", float(self.accum_steps))
 
     def finalize_variable_values(self, var_list):
         end, self._end_of_fit = self._end_of_fit, None
@@ -301,6 +313,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             loss_scale(scaler),
             self._accumulator.opens_cycle,
         )
+        if scaler is not None:
+            # The loss was divided by the share too (scale_loss).
+            weight = weight / self._backward_share()
 
         def apply_fn(accumulated):
             apply_gradients(self.inner_optimizer, accumulated, variables)

@@ -166,6 +166,19 @@ def loss_share(terms, count, opens_step):
     return tf.cast(count, tf.float32)
 
 
+def backward_share(sums: bool, cycle_length, part=None):
+    """What a micro-batch's loss is multiplied by before a float16 backward
+    pass: about its share of the cycle's samples, ``part / cycle_length``
+    (``part``: a slice's share of its step, else 1). A mean over fewer
+    samples gives each sample a larger part of the backward pass than it has
+    in the big batch, by that factor; a summed loss (``sums``) has none, 1.
+    Hosts unscale the gradients by the same factor."""
+    if sums:
+        return 1.0
+    share = 1.0 / cycle_length
+    return share if part is None else share * part
+
+
 def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle):
     """``(weight, count)`` of one call of the optimizer wrapper
     (``opens_cycle``: a function giving the engine's bool tensor).

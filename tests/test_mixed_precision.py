@@ -362,14 +362,15 @@ def _overflows(model: keras.Model, x, y, scale: float) -> bool:
     return not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
 
 
-@pytest.mark.parametrize("mode", ["streaming", "in-step"])
+@pytest.mark.parametrize("mode", ["streaming", "in-step", "outer", "inner"])
 def test_float16_skips_no_cycle_the_big_batch_applies(mode):
     """At the largest loss scale at which the big batch's float16 backward
     pass stays finite, a micro-batch's own mean loss (each sample weighing
-    ``K`` times its part of the big batch's) overflows; the model wrapper
-    divides each micro-batch's loss by its share of the cycle first, so it
-    applies every cycle the big batch applies, with the big batch's scale
-    and weights.
+    ``K`` times its part of the big batch's) overflows; both wrappers divide
+    each micro-batch's loss by its share of the cycle first, so they apply
+    every cycle the big batch applies, with the big batch's scale and
+    weights (model wrapper streaming and in-step; the optimizer wrapper
+    inside and around the LossScaleOptimizer).
 
     The data make the per-sample gradients the largest of the backward
     pass, which the share multiplies: one input (near zero) with labels
@@ -390,23 +391,36 @@ def test_float16_skips_no_cycle_the_big_batch_applies(mode):
         # The precondition that makes this test able to fail.
         assert _overflows(probe, x[:B], y[:B], scale), scale
 
-        def compiled(model):
-            sgd = keras.optimizers.SGD(LR, momentum=0.5)
-            optimizer = LSO(sgd, initial_scale=scale, dynamic_growth_steps=1000)
+        def scaled(optimizer):
+            return LSO(optimizer, initial_scale=scale, dynamic_growth_steps=1000)
+
+        def compiled(build, optimizer):
+            model = utils.seeded(build)
             model.compile(optimizer=optimizer, loss=utils.sparse_ce())
             return model
 
-        big = compiled(utils.seeded(lambda: utils.plain_model(layers)))
+        def sgd():
+            return keras.optimizers.SGD(LR, momentum=0.5)
+
+        big = compiled(lambda: utils.plain_model(layers), scaled(sgd()))
         big.fit(x, y, batch_size=CYCLE, shuffle=False, verbose=0)
-        streaming = mode == "streaming"
-        settings = {"accum_steps": K} if streaming else {"micro_batch_size": B}
-        ours = compiled(
-            utils.seeded(lambda: utils.accumulating_model(layers, **settings))
-        )
-        ours.fit(x, y, batch_size=B if streaming else CYCLE, shuffle=False, verbose=0)
+        batch = CYCLE if mode == "in-step" else B
+        if mode in ("streaming", "in-step"):
+            settings = {"accum_steps": K} if batch == B else {"micro_batch_size": B}
+            ours = compiled(
+                lambda: utils.accumulating_model(layers, **settings), scaled(sgd())
+            )
+        else:
+            optimizer = (
+                scaled(GradientAccumulateOptimizer(sgd(), K))
+                if mode == "outer"
+                else GradientAccumulateOptimizer(scaled(sgd()), K)
+            )
+            ours = compiled(lambda: utils.plain_model(layers), optimizer)
+        ours.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert int(big.optimizer.iterations) == 3
     assert int(ours.optimizer.iterations) == 3
-    assert float(ours.optimizer.dynamic_scale) == float(big.optimizer.dynamic_scale)
+    assert float(_scaler(ours).dynamic_scale) == float(big.optimizer.dynamic_scale)
     utils.assert_same_weights(utils.weights(ours), utils.weights(big), F16_ATOL)
