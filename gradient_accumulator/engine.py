@@ -505,10 +505,9 @@ class Engine(tf.Module):
                 fill = dtype.min if id(buffer) in maxima else 0
                 value = tf.fill(buffer.shape, tf.constant(fill, dtype))
                 arithmetic.raw(buffer).assign(value)
-            return tf.constant(True)
 
         empty = arithmetic.raw(self.empty)
-        tf.cond(empty, clear, lambda: tf.constant(False))
+        tf.cond(empty, clear, lambda: None)
         empty.assign(False)
 
     def step(

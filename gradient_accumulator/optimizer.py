@@ -312,10 +312,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             tf.distribute.get_strategy().num_replicas_in_sync,
             loss_scale(scaler),
             self._accumulator.opens_cycle,
+            # What scale_loss multiplied the loss by, besides the scale.
+            share=self._backward_share(),
         )
-        if scaler is not None:
-            # The loss was divided by the share too (scale_loss).
-            weight = weight / self._backward_share()
 
         def apply_fn(accumulated):
             apply_gradients(self.inner_optimizer, accumulated, variables)

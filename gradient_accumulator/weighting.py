@@ -179,16 +179,17 @@ def backward_share(sums: bool, cycle_length, part=None):
     return share if part is None else share * part
 
 
-def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle):
+def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle, share=1.0):
     """``(weight, count)`` of one call of the optimizer wrapper
     (``opens_cycle``: a function giving the engine's bool tensor).
 
     Every call counts equally. Keras divides each replica's loss by the
     replica count and expects the optimizer to sum replicas, so each call
     counts ``1 / replicas``; ``"SUM"`` makes the divisor 1 per cycle. A
-    dynamic loss ``scale`` (or None) is undone by the weight.
+    dynamic loss ``scale`` (or None) is undone by the weight, with the
+    :func:`backward_share` ``share`` the scaled loss was multiplied by.
     """
-    weight = None if scale is None else 1.0 / scale
+    weight = None if scale is None else 1.0 / (scale * share)
     count = 1.0 / replicas
     if reduction == "SUM":
         count = tf.cast(opens_cycle(), tf.float32) * count
