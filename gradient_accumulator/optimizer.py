@@ -313,7 +313,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
             loss_scale(scaler),
             self._accumulator.opens_cycle,
             # What scale_loss multiplied the loss by, besides the scale.
-            share=self._backward_share(),
+            share=self._backward_share,
         )
 
         def apply_fn(accumulated):

@@ -179,7 +179,7 @@ def backward_share(sums: bool, cycle_length, part=None):
     return share if part is None else share * part
 
 
-def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle, share=1.0):
+def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle, share=None):
     """``(weight, count)`` of one call of the optimizer wrapper
     (``opens_cycle``: a function giving the engine's bool tensor).
 
@@ -187,9 +187,12 @@ def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle, share=1.
     replica count and expects the optimizer to sum replicas, so each call
     counts ``1 / replicas``; ``"SUM"`` makes the divisor 1 per cycle. A
     dynamic loss ``scale`` (or None) is undone by the weight, with the
-    :func:`backward_share` ``share`` the scaled loss was multiplied by.
+    :func:`backward_share` the scaled loss was multiplied by (``share``: a
+    function giving it, asked only under a scale; None: 1).
     """
-    weight = None if scale is None else 1.0 / (scale * share)
+    weight = None
+    if scale is not None:
+        weight = 1.0 / (scale * (1.0 if share is None else share()))
     count = 1.0 / replicas
     if reduction == "SUM":
         count = tf.cast(opens_cycle(), tf.float32) * count
