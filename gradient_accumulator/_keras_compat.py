@@ -13,7 +13,11 @@ import sys
 import keras
 
 from gradient_accumulator._backend import KERAS_SPEC
-from gradient_accumulator._tf_compat import distributed_container, on_device_or_primary
+from gradient_accumulator._tf_compat import (
+    distributed_container,
+    keras_mask,
+    on_device_or_primary,
+)
 
 try:
     from keras.src.layers.normalization.batch_normalization import (
@@ -116,11 +120,6 @@ def optimizer_own_variables(optimizer) -> list:
 def optimizer_built_variables(optimizer) -> list:
     """The trainable variables a Keras optimizer was built for."""
     return optimizer._trainable_variables
-
-
-def keras_mask(tensor):
-    """The mask Keras attached to a layer's output (``None`` if none)."""
-    return getattr(tensor, "_keras_mask", None)
 
 
 def loss_tracker(model: keras.Model):

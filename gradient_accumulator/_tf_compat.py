@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["distributed_container", "on_device_or_primary"]
+__all__ = ["distributed_container", "keras_mask", "on_device_or_primary"]
 
 
 def distributed_container(variable):
@@ -29,3 +29,9 @@ def on_device_or_primary(variable):
     """This replica's component of a distributed variable (scatter ops on a
     replica-local variable need it)."""
     return variable._get_on_device_or_primary()
+
+
+def keras_mask(tensor):
+    """The mask a Keras layer attached to its output (``None`` if none): the
+    same private attribute in Keras 3 and in tf-keras."""
+    return getattr(tensor, "_keras_mask", None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import re
 import threading
 import warnings
@@ -27,10 +26,12 @@ from gradient_accumulator._keras_compat import (
     loss_tracker,
     unscale_loss_for_distribution,
 )
+from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.arithmetic import overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
+from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.settings import Settings
 from gradient_accumulator.validation import (
     check_single_accumulation,
@@ -173,7 +174,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         for a model made accumulating after construction (``accumulate``).
         :meth:`_stop_accumulating` undoes it."""
         self._setup = settings
-        self._accumulator = accumulator = settings.accumulator()
+        self._accumulator = accumulator = settings.accumulator(Accumulator)
         # Whether the traced step is Keras' own (see _plan_step); None until
         # a train function is made for this compile().
         self._plain: bool | None = None
@@ -255,31 +256,14 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         slices instead). The model's ``partial_cycle`` policy runs at every
         epoch end; see :class:`GradientAccumulateModel`.
         """
-        # Keras' fit takes callbacks as its sixth positional argument; a
-        # model class may have its own fit (keras-hub tasks do): find them
-        # by its signature.
-        signature = inspect.signature(super().fit)
-        bound = signature.bind(*args, **kwargs)
-        named = signature.parameters.get("callbacks")
-        if named is not None and named.kind is not inspect.Parameter.VAR_KEYWORD:
-            place = bound.arguments
-        else:
-            extra = next(
-                p.name
-                for p in signature.parameters.values()
-                if p.kind is inspect.Parameter.VAR_KEYWORD
-            )
-            place = bound.arguments.setdefault(extra, {})
-        callbacks = place.get("callbacks")
-        # First, so that other callbacks see the weights after a flush; a
-        # second one last, which sees whether a callback stopped training.
-        head, tail = _PartialCycles(self), _PartialCycles(self, closing=True)
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.callbacks.insert(0, head)
-            callbacks.callbacks.append(tail)
-        else:
-            place["callbacks"] = [head, *(callbacks or []), tail]
-        return super().fit(*bound.args, **bound.kwargs)
+        return fit_with_partial_cycles(
+            super().fit,
+            self,
+            _PartialCycles,
+            keras.callbacks.CallbackList,
+            args,
+            kwargs,
+        )
 
     def compile(self, *args, **kwargs):
         """Keras' ``compile``. Refuses an optimizer with Keras' own
@@ -634,49 +618,8 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         return micro_batch_weight(terms, y_pred, sample_weight, _batch_size(x), opens)
 
 
-class _PartialCycles(keras.callbacks.Callback):
-    """Applies the model's ``partial_cycle`` policy at epoch and fit ends.
-
-    ``fit`` gets two: the first in its callback list acts at every epoch end
-    (before other callbacks see the weights); the ``closing`` one, last,
-    ends a carried cycle when another callback stopped training. Both act
-    at the last epoch's end rather than at ``on_train_end``, because Keras
-    swaps EMA weights in (``finalize_variable_values``) between the two.
-    """
-
-    def __init__(self, model: GradientAccumulateModel, closing: bool = False):
-        super().__init__()
-        self._owner = model
-        self._closing = closing
-
-    def _end_fit(self) -> None:
-        owner = self._owner
-        # A FlushPartialCycle callback's end-of-fit action comes first.
-        end = getattr(owner, "_end_of_fit", None)
-        if end is not None:
-            owner._end_of_fit = None
-            end()
-        if owner._partial_cycle == "drop":
-            owner.drop_partial_cycle()
-        elif owner._flush_at_end:
-            owner.flush()
-
-    def on_epoch_end(self, epoch, logs=None):
-        owner = self._owner
-        if self._closing:
-            if owner.stop_training:
-                self._end_fit()
-        elif owner._partial_cycle == "flush":
-            owner.flush()
-        elif owner._partial_cycle == "drop":
-            owner.drop_partial_cycle()
-        elif epoch + 1 >= (getattr(self, "params", None) or {}).get("epochs", 0):
-            self._end_fit()
-
-    def on_train_end(self, logs=None):
-        # Nothing is pending here unless fit ended outside an epoch end.
-        if not self._closing:
-            self._end_fit()
+class _PartialCycles(PartialCycles, keras.callbacks.Callback):
+    """:class:`~gradient_accumulator.partial_cycles.PartialCycles` for Keras 3."""
 
 
 _functional_variants: dict[type, type] = {}

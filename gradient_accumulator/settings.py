@@ -1,7 +1,8 @@
 """The model wrapper's accumulation settings, in one record.
 
-``GradientAccumulateModel``, :func:`~gradient_accumulator.accumulate` and the
-loader of saved models all go through :class:`Settings`: a setting added
+``GradientAccumulateModel`` (for Keras 3 and for tf-keras),
+:func:`~gradient_accumulator.accumulate` and the loader of saved models all
+go through :class:`Settings`: a setting added
 here is checked, saved in the model's config and read back by the loader.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.engine import Engine
 from gradient_accumulator.validation import (
     PARTIAL_CYCLE,
     check_accum_steps,
@@ -51,9 +52,10 @@ class Settings:
         check_bool("flush_at_end", self.flush_at_end)
         check_bool("progress_logs", self.progress_logs)
 
-    def accumulator(self) -> Accumulator:
-        """A new, unbuilt engine with these settings."""
-        return Accumulator(
+    def accumulator(self, engine: type[Engine] = Engine) -> Engine:
+        """A new, unbuilt ``engine`` (the host's kind of engine) with these
+        settings."""
+        return engine(
             self.accum_steps,
             name="accumulator",
             use_agc=self.use_agc,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from gradient_accumulator._keras_compat import apply_mask, keras_mask
+from gradient_accumulator._tf_compat import keras_mask
 
 _SUM_REDUCTIONS = ("sum", "none", None)
 
@@ -48,7 +48,10 @@ def _denominator(term, y_pred, sample_weight, batch):
         else sample_weight
     )
     if reduction == "mean_with_sample_weight" and weights is not None:
-        # Keras divides by the sum of the (masked) sample weights.
+        # Keras divides by the sum of the (masked) sample weights. Only Keras
+        # 3 has this reduction, so only its terms import it.
+        from gradient_accumulator._keras_compat import apply_mask
+
         merged = apply_mask(weights, mask, dtype="float32", reduction=reduction)
         total = tf.reduce_sum(tf.cast(merged, tf.float32))
         # Several terms' weight sums are checked to agree at run time (Keras
