@@ -62,21 +62,50 @@ __all__ = [
 ]
 
 
+# Where tf.keras is tf-keras (TF_USE_LEGACY_KERAS=1), the public names are
+# the tf-keras hosts' (gradient_accumulator.keras2), so far these:
+_KERAS2_EXPORTS = {
+    "GradientAccumulateModel": "keras2.model",
+    "GradientAccumulateOptimizer": "keras2.optimizer",
+    "adaptive_clip_grad": "agc",
+    "compute_norm": "agc",
+    "unitwise_norm": "agc",
+}
+
+
+def _tf_keras_in_use() -> bool:
+    """Whether ``tf.keras`` is tf-keras: TensorFlow's own answer (its rule
+    is ``TF_USE_LEGACY_KERAS`` and an installed tf-keras)."""
+    import tensorflow as tf
+
+    return tf.keras.__name__.startswith("tf_keras")
+
+
 def _load() -> None:
-    """Imports every public name into this module (once)."""
+    """Imports every public name into this module (once), from the hosts of
+    the Keras that ``tf.keras`` is."""
     importlib.import_module(f"{__name__}._backend")  # fails on other backends
+    exports = _KERAS2_EXPORTS if _tf_keras_in_use() else _EXPORTS
     modules = {
-        m: importlib.import_module(f"{__name__}.{m}") for m in set(_EXPORTS.values())
+        m: importlib.import_module(f"{__name__}.{m}") for m in set(exports.values())
     }
     namespace = globals()
-    for name, module in _EXPORTS.items():
+    for name, module in exports.items():
         namespace[name] = getattr(modules[module], name)
+    namespace["_loaded"] = exports
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS:
+    if name in _EXPORTS and "_loaded" not in globals():
         _load()
+    if name in globals():
         return globals()[name]
+    if name in _EXPORTS:
+        raise ImportError(
+            f"gradient_accumulator.{name} is not available for tf-keras yet "
+            "(tf.keras is tf-keras here: TF_USE_LEGACY_KERAS is set). "
+            f"Available: {', '.join(sorted(_KERAS2_EXPORTS))}."
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

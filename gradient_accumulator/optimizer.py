@@ -16,6 +16,7 @@ from gradient_accumulator._keras_compat import (
     optimizer_variable_tracker,
     wrapping_loss_scaler,
 )
+from gradient_accumulator._which_keras import TF_KERAS, keras_of
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.loss_scale import (
@@ -89,6 +90,16 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
     >>> int(opt.iterations)
     1
     """
+
+    def __new__(cls, optimizer="SGD", *args, **kwargs):
+        # The optimizer handed in decides which Keras's wrapper wraps it.
+        if keras_of(optimizer) == TF_KERAS:
+            from gradient_accumulator.keras2.optimizer import (
+                GradientAccumulateOptimizer,
+            )
+
+            return GradientAccumulateOptimizer(optimizer, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,

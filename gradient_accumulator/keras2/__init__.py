@@ -1,0 +1,8 @@
+"""The tf-keras (legacy Keras 2) hosts around the engine: the classes that
+``gradient_accumulator`` exports where ``tf.keras`` is tf-keras
+(``TF_USE_LEGACY_KERAS=1``)."""
+
+from gradient_accumulator.keras2.model import GradientAccumulateModel
+from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
+
+__all__ = ["GradientAccumulateModel", "GradientAccumulateOptimizer"]

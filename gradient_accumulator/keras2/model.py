@@ -1,0 +1,296 @@
+"""``GradientAccumulateModel`` for tf-keras: a ``tf.keras.Model`` (where
+``tf.keras`` is tf-keras) whose ``fit`` accumulates."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+
+import tensorflow as tf
+import tf_keras
+
+from gradient_accumulator.engine import Binding
+from gradient_accumulator.keras2._compat import (
+    functional_config,
+    loss_terms,
+    reconstruct_from_config,
+)
+from gradient_accumulator.keras2.optimizers import apply_reduced
+from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
+from gradient_accumulator.settings import Settings
+from gradient_accumulator.validation import (
+    check_single_accumulation,
+    take_05_keywords,
+    warn_unneeded,
+)
+from gradient_accumulator.weighting import micro_batch_weight, sums_losses
+
+
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
+class GradientAccumulateModel(tf_keras.Model):
+    """A tf-keras model that applies one optimizer update per
+    ``accum_steps`` micro-batches, with the gradient of the concatenated big
+    batch.
+
+    Build it like a functional model (or subclass it) and train with
+    ``fit``: ``fit(x, y, batch_size=8)`` with ``accum_steps=4`` trains like
+    ``batch_size=32`` while holding 8 samples in memory. Each micro-batch is
+    weighted by the denominator tf-keras' loss reduction used for it (its
+    samples, or its unmasked entries under a Keras mask), so masks, sample
+    weights and a short last micro-batch give exactly the big batch's
+    gradient. ``optimizer.iterations``, schedules, clipping, weight decay and
+    EMA advance once per update.
+
+    Args: as the Keras 3 ``GradientAccumulateModel``, without
+    ``micro_batch_size``.
+
+    Example:
+
+    >>> import numpy as np, tf_keras
+    >>> from gradient_accumulator.keras2 import GradientAccumulateModel
+    >>> inputs = tf_keras.Input((4,))
+    >>> outputs = tf_keras.layers.Dense(1)(inputs)
+    >>> model = GradientAccumulateModel(accum_steps=4, inputs=inputs, outputs=outputs)
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
+    >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
+    1
+    """
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        mixed_precision: bool = False,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        experimental_distributed_support: bool = False,
+        partial_cycle: str = "carry",
+        flush_at_end: bool = True,
+        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
+        progress_logs: bool = False,
+        *args,
+        **kwargs,
+    ):
+        use_agc = take_05_keywords(kwargs, use_agc)
+        settings = Settings(
+            accum_steps=accum_steps,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            partial_cycle=partial_cycle,
+            flush_at_end=flush_at_end,
+            skip_update_fn=skip_update_fn,
+            progress_logs=progress_logs,
+        )
+        warn_unneeded(
+            "mixed_precision",
+            mixed_precision,
+            False,
+            "loss scaling is detected from the optimizer that compile() builds.",
+        )
+        warn_unneeded(
+            "experimental_distributed_support",
+            experimental_distributed_support,
+            False,
+            "tf.distribute strategies are always supported.",
+        )
+        super().__init__(*args, **kwargs)
+        self._start_accumulating(settings)
+
+    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    def _start_accumulating(self, settings: Settings) -> None:
+        self._setup = settings
+        # Not tracked as a layer's attribute (its variables would join the
+        # model's weights); a checkpoint dependency of its own instead.
+        self._accumulator = accumulator = settings.accumulator()
+        self._track_trackable(accumulator, name="_accumulator", overwrite=True)
+        self._plain: bool | None = None
+        accumulator.bind(
+            Binding(
+                variables=lambda: self.trainable_variables,
+                apply_fn=lambda: self._apply_fn(self.trainable_variables),
+                strategy=lambda: self.distribute_strategy,
+            )
+        )
+
+    # ----------------------------------------------------------------- config
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per update (the latest value set)."""
+        return self._accumulator.accum_steps
+
+    @property
+    def _partial_cycle(self) -> str:
+        return self._setup.partial_cycle
+
+    @property
+    def _flush_at_end(self) -> bool:
+        return self._setup.flush_at_end
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Changes ``accum_steps`` from the next cycle boundary on."""
+        if self._accumulator.set_accum_steps(accum_steps) and self._plain:
+            self.make_train_function(force=True)
+
+    def flush(self) -> None:
+        """Applies the micro-batches of the current, incomplete cycle now, with
+        the gradient a big batch of just those micro-batches would give."""
+        self._accumulator.flush(self.distribute_strategy)
+
+    def drop_partial_cycle(self) -> None:
+        """Discards the micro-batches of the current, incomplete cycle."""
+        self._accumulator.drop(self.distribute_strategy)
+
+    def fit(self, *args, **kwargs):
+        """Trains as ``tf.keras.Model.fit`` does, one micro-batch per step;
+        the model's ``partial_cycle`` policy runs at every epoch end."""
+        return fit_with_partial_cycles(
+            super().fit,
+            self,
+            _PartialCycles,
+            tf_keras.callbacks.CallbackList,
+            args,
+            kwargs,
+        )
+
+    def compile(self, *args, **kwargs):
+        """tf-keras' ``compile``; rebuilds the accumulation state if the
+        trainable variables changed (a pending partial cycle is then
+        dropped, with a warning)."""
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        check_single_accumulation(optimizer, "GradientAccumulateModel")
+        super().compile(*args, **kwargs)
+        self._accumulator.unwire()
+        self._plain = None
+        self._sync_state()
+
+    def compile_from_config(self, config):
+        # tf-keras skips compile() on loading a model whose class overrides
+        # it; ours only adds to it, so loading compiles as usual.
+        self.compile(**tf_keras.saving.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._sync_state()
+        self._plain = self._accumulator.plain()
+        return super().make_train_function(force=force)
+
+    def _sync_state(self) -> None:
+        if not self.built:
+            return  # a subclassed model: built at its first train step
+        accumulator = self._accumulator
+        pending = accumulator.pending
+        with self.distribute_strategy.scope():
+            rebuilt = accumulator.build(self.trainable_variables)
+        if rebuilt and pending:
+            warnings.warn(
+                f"GradientAccumulateModel: the trainable variables changed, so "
+                f"the {pending} micro-batch(es) of an incomplete cycle were "
+                "dropped.",
+                stacklevel=3,
+            )
+
+    def get_config(self):
+        # tf-keras saves a Functional subclass with its own __init__ by its
+        # constructor arguments only, without the network.
+        config = functional_config(self) or super().get_config()
+        settings = self._setup.saved()
+        settings.pop("micro_batch_size")
+        config.update(settings, accum_steps=self._accumulator.accum_steps)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        names = [f.name for f in dataclasses.fields(Settings)]
+        settings = {k: config.pop(k) for k in names if k in config}
+        if all(k in config for k in ("layers", "input_layers", "output_layers")):
+            inputs, outputs, _ = reconstruct_from_config(config, custom_objects)
+            return cls(
+                inputs=inputs, outputs=outputs, name=config.get("name"), **settings
+            )
+        return cls(**config, **settings)
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, data):
+        if self._plain is None:
+            self._plain = self._accumulator.plain()
+        if self._plain:
+            return super().train_step(data)
+        x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+        accumulator = self._accumulator
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            if not accumulator.built:
+                # A subclassed model creates its variables in the forward pass.
+                with tf.init_scope(), self.distribute_strategy.scope():
+                    accumulator.build(self.trainable_variables)
+            loss = self.compute_loss(x, y, y_pred, sample_weight)
+            weight, count, objective = self._weighted(x, y_pred, loss)
+        variables = self.trainable_variables
+        grads = tape.gradient(objective, variables)
+        accumulator.step(
+            grads,
+            variables,
+            apply_fn=self._apply_fn(variables),
+            count=count,
+            samples=_batch_size(x),
+            weight=None if weight is None else weight,
+        )
+        logs = self.compute_metrics(x, y, y_pred, sample_weight)
+        if self._setup.progress_logs:
+            logs = {**logs, **accumulator.logs()}
+        return logs
+
+    def _weighted(self, x, y_pred, loss):
+        """``(grad_weight, count, objective)`` of a micro-batch: what the
+        engine weighs its gradients and counts it by, and the loss to
+        differentiate (see ``weighting``).
+
+        tf-keras divides a mean-reduced loss (and the regularisation
+        losses) by the replica count and lets the optimizer sum the
+        replicas; a ``"sum"``-reduced term it does not divide. The engine
+        takes a weighted mean over replicas, so a mean loss is multiplied
+        back by the replica count, and a summed one counts ``1 / replicas``
+        per replica.
+        """
+        replicas = self.distribute_strategy.num_replicas_in_sync
+        terms = loss_terms(self)
+        batch = _batch_size(x)
+        if sums_losses(terms):
+            opens = tf.cast(self._accumulator.opens_cycle(), tf.float32)
+            if self.losses:
+                # The big batch adds the regularisation losses once: only the
+                # micro-batch that opens the cycle keeps them.
+                penalty = tf.add_n([tf.cast(p, loss.dtype) for p in self.losses])
+                loss = loss - (1.0 - tf.cast(opens, loss.dtype)) * penalty / replicas
+            return None, opens / replicas, loss
+        weight, count = micro_batch_weight(
+            terms, tf.nest.flatten(y_pred), None, batch, None
+        )
+        objective = loss * tf.cast(tf.stop_gradient(weight) * replicas, loss.dtype)
+        return None, count, objective
+
+    def _apply_fn(self, variables):
+        return lambda grads: apply_reduced(self.optimizer, grads, variables)
+
+
+# ``.h5`` files name a model by its bare class name (``.keras`` files by the
+# registered one): loading them needs no custom_objects either.
+tf_keras.utils.get_custom_objects()[GradientAccumulateModel.__name__] = (
+    GradientAccumulateModel
+)
+
+
+class _PartialCycles(PartialCycles, tf_keras.callbacks.Callback):
+    """:class:`~gradient_accumulator.partial_cycles.PartialCycles` for tf-keras."""
+
+
+def _batch_size(x):
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]

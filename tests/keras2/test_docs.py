@@ -1,0 +1,12 @@
+"""The tf-keras page's Python blocks run as shown, where tf.keras is tf-keras
+(the Keras 3 pages run in tests/test_snippets.py)."""
+
+import pytest
+
+from tests.test_snippets import KERAS2_PAGES, python_blocks, run_page_blocks
+
+
+@pytest.mark.parametrize("page", KERAS2_PAGES, ids=lambda p: p.name)
+def test_page_code_blocks_run(page, tmp_path):
+    assert [b for b in python_blocks(page) if b.not_run is None]
+    run_page_blocks(page, tmp_path)
