@@ -28,6 +28,7 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator.distributed import already_reduced
+from gradient_accumulator.dynamic_scale import cycle_hooks
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
@@ -59,21 +60,11 @@ def scale_hooks(
     grow after ``dynamic_growth_steps`` finite updates, halve on overflow."""
     if not isinstance(optimizer, LossScaleOptimizer):
         return None, None
-
-    def on_apply() -> None:
-        grow = tf.equal(optimizer.step_counter, optimizer.dynamic_growth_steps - 1)
-        tf.cond(grow, lambda: _rescale(optimizer, 2.0), lambda: _count(optimizer))
-
-    return on_apply, lambda: _rescale(optimizer, 0.5)
-
-
-def _rescale(optimizer, factor: float) -> None:
-    optimizer.step_counter.assign(0)
-    optimizer.dynamic_scale.assign(optimizer.dynamic_scale * factor)
-
-
-def _count(optimizer) -> None:
-    optimizer.step_counter.assign_add(1)
+    return cycle_hooks(
+        optimizer.dynamic_scale,
+        optimizer.step_counter,
+        optimizer.dynamic_growth_steps,
+    )
 
 
 # ------------------------------------------- LossScaleOptimizer(accumulating)

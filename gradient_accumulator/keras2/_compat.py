@@ -18,6 +18,9 @@ try:
         get_network_config,
         reconstruct_from_config,
     )
+    from tf_keras.src.saving.object_registration import (
+        _GLOBAL_CUSTOM_NAMES as GLOBAL_CUSTOM_NAMES,
+    )
 except ImportError as error:  # pragma: no cover - depends on the release
     raise ImportError(
         f"gradient_accumulator needs private tf-keras names that tf-keras "
@@ -25,11 +28,19 @@ except ImportError as error:  # pragma: no cover - depends on the release
     ) from error
 
 __all__ = [
+    "GLOBAL_CUSTOM_NAMES",
     "LossTerm",
     "functional_config",
+    "loss_scale_variable",
     "loss_terms",
     "reconstruct_from_config",
 ]
+
+
+def loss_scale_variable(scaler):
+    """The variable holding a dynamic ``LossScaleOptimizer``'s scale (its
+    ``loss_scale`` property gives only a tensor)."""
+    return scaler._loss_scale.current_loss_scale
 
 
 def functional_config(model) -> dict | None:

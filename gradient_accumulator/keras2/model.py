@@ -16,6 +16,7 @@ from gradient_accumulator.keras2._compat import (
     loss_terms,
     reconstruct_from_config,
 )
+from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.settings import Settings
@@ -24,7 +25,11 @@ from gradient_accumulator.validation import (
     take_05_keywords,
     warn_unneeded,
 )
-from gradient_accumulator.weighting import micro_batch_weight, sums_losses
+from gradient_accumulator.weighting import (
+    backward_share,
+    micro_batch_weight,
+    sums_losses,
+)
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -111,6 +116,7 @@ class GradientAccumulateModel(tf_keras.Model):
             Binding(
                 variables=lambda: self.trainable_variables,
                 apply_fn=lambda: self._apply_fn(self.trainable_variables),
+                hooks=lambda: scale_hooks(self.optimizer),
                 strategy=lambda: self.distribute_strategy,
             )
         )
@@ -231,50 +237,70 @@ class GradientAccumulateModel(tf_keras.Model):
                 with tf.init_scope(), self.distribute_strategy.scope():
                     accumulator.build(self.trainable_variables)
             loss = self.compute_loss(x, y, y_pred, sample_weight)
-            weight, count, objective = self._weighted(x, y_pred, loss)
+            loss_weight, grad_weight, count = self._weights(x, y_pred, loss)
+            if self.losses and sums_losses(loss_terms(self)):
+                # The big batch adds the regularisation losses once: only the
+                # micro-batch that opens the cycle (count > 0) keeps them.
+                penalty = tf.add_n([tf.cast(p, loss.dtype) for p in self.losses])
+                keep = tf.cast(count > 0, loss.dtype)
+                loss = loss - (1.0 - keep) * penalty / self._replicas()
+            objective = loss * tf.cast(loss_weight, loss.dtype)
+            scaler = scaler_of(self.optimizer)
+            if scaler is not None:
+                objective = scaler.get_scaled_loss(objective)
         variables = self.trainable_variables
         grads = tape.gradient(objective, variables)
+        on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             grads,
             variables,
             apply_fn=self._apply_fn(variables),
+            weight=grad_weight,
             count=count,
             samples=_batch_size(x),
-            weight=None if weight is None else weight,
+            on_apply=on_apply,
+            on_skip=on_skip,
         )
         logs = self.compute_metrics(x, y, y_pred, sample_weight)
         if self._setup.progress_logs:
             logs = {**logs, **accumulator.logs()}
         return logs
 
-    def _weighted(self, x, y_pred, loss):
-        """``(grad_weight, count, objective)`` of a micro-batch: what the
-        engine weighs its gradients and counts it by, and the loss to
-        differentiate (see ``weighting``).
+    def _replicas(self) -> int:
+        return self.distribute_strategy.num_replicas_in_sync
 
-        tf-keras divides a mean-reduced loss (and the regularisation
-        losses) by the replica count and lets the optimizer sum the
-        replicas; a ``"sum"``-reduced term it does not divide. The engine
-        takes a weighted mean over replicas, so a mean loss is multiplied
-        back by the replica count, and a summed one counts ``1 / replicas``
-        per replica.
+    def _weights(self, x, y_pred, loss):
+        """``(loss_weight, grad_weight, count)`` of a micro-batch: what its
+        loss is multiplied by before the backward pass, what the engine
+        weighs its gradients by (None: 1) and counts it as (see
+        ``weighting``).
+
+        tf-keras divides a mean-reduced loss (and the regularisation losses)
+        by the replica count and lets the optimizer sum the replicas; a
+        ``"sum"``-reduced term it does not divide. The engine takes a
+        weighted mean over replicas, so a mean loss is weighted by the
+        replica count too, and a summed one counts ``1 / replicas`` per
+        replica. Under a loss scale the weight goes on the gradients with
+        the unscaling, and the loss is divided by its share of the cycle
+        first (``weighting.backward_share``), so that float16 sees the big
+        batch's magnitudes.
         """
-        replicas = self.distribute_strategy.num_replicas_in_sync
+        replicas = self._replicas()
         terms = loss_terms(self)
-        batch = _batch_size(x)
-        if sums_losses(terms):
+        sums = sums_losses(terms)
+        if sums:
             opens = tf.cast(self._accumulator.opens_cycle(), tf.float32)
-            if self.losses:
-                # The big batch adds the regularisation losses once: only the
-                # micro-batch that opens the cycle keeps them.
-                penalty = tf.add_n([tf.cast(p, loss.dtype) for p in self.losses])
-                loss = loss - (1.0 - tf.cast(opens, loss.dtype)) * penalty / replicas
-            return None, opens / replicas, loss
-        weight, count = micro_batch_weight(
-            terms, tf.nest.flatten(y_pred), None, batch, None
-        )
-        objective = loss * tf.cast(tf.stop_gradient(weight) * replicas, loss.dtype)
-        return None, count, objective
+            weight, count = tf.constant(1.0), opens / replicas
+        else:
+            weight, count = micro_batch_weight(
+                terms, tf.nest.flatten(y_pred), None, _batch_size(x), None
+            )
+            weight = tf.stop_gradient(weight) * replicas
+        scaler = scaler_of(self.optimizer)
+        if scaler is None:
+            return weight, None, count
+        share = tf.stop_gradient(backward_share(sums, self._accumulator.cycle_length()))
+        return share, weight / (scaler.loss_scale * share), count
 
     def _apply_fn(self, variables):
         return lambda grads: apply_reduced(self.optimizer, grads, variables)

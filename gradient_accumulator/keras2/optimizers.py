@@ -27,7 +27,11 @@ def state(optimizer) -> list:
 
 
 def apply_reduced(optimizer, grads: Sequence, variables: Sequence):
-    """Applies gradients already summed over replicas (replica context)."""
+    """Applies unscaled gradients already summed over replicas (replica
+    context): a ``LossScaleOptimizer``'s checks are the engine's, so its
+    inner optimizer applies them."""
+    if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     pairs = list(zip(grads, variables))
     if isinstance(optimizer, LegacyOptimizer):
         return optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)

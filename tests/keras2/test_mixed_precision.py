@@ -1,0 +1,82 @@
+"""tf-keras mixed precision with the model wrapper: ``mixed_float16`` (with
+tf-keras' ``LossScaleOptimizer``, current and legacy) and ``mixed_bfloat16``
+train as close to float32 as tf-keras' own mixed big batch does, keep the
+scale per cycle as the big batch keeps it per step, and skip an overflowing
+cycle whole, as the big batch skips its step. Tolerances: see
+tests/test_mixed_precision.py (the Keras 3 version)."""
+
+import pytest
+import tf_keras
+
+from tests.keras2 import utils
+
+B, K = 8, 4
+MARGIN = 2.0
+OPTIMIZERS = {
+    "adam": lambda: tf_keras.optimizers.Adam(0.01),
+    "legacy_adam": lambda: tf_keras.optimizers.legacy.Adam(0.01),
+}
+
+
+def _layers():
+    inputs, outputs = utils.mlp_layers()
+    # As tf-keras' mixed-precision guide does: float32 outputs.
+    outputs = tf_keras.layers.Activation("linear", dtype="float32")(outputs)
+    return inputs, outputs
+
+
+def _train(policy, optimizer, x, y, wrapped, epochs=2):
+    tf_keras.mixed_precision.set_global_policy(policy)
+    try:
+        if wrapped:
+            model = utils.seeded(
+                lambda: utils.accumulating_model(_layers, accum_steps=K)
+            )
+        else:
+            model = utils.seeded(lambda: utils.plain_model(_layers))
+        model.compile(OPTIMIZERS[optimizer](), utils.sparse_ce())
+        batch = B if wrapped else B * K
+        model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    return model
+
+
+def _scale(model):
+    optimizer = model.optimizer
+    return float(optimizer.loss_scale), int(optimizer.dynamic_counter.numpy())
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer):
+    x, y = utils.classification_data()
+    reference = utils.weights(_train("float32", optimizer, x, y, wrapped=False))
+    keras_mixed = _train(policy, optimizer, x, y, wrapped=False)
+    ours = _train(policy, optimizer, x, y, wrapped=True)
+    low_precision = utils.max_abs_diff(utils.weights(keras_mixed), reference)
+    assert 0 < low_precision < 1e-2, low_precision
+    bound = MARGIN * low_precision
+    utils.assert_same_weights(utils.weights(ours), reference, bound)
+    utils.assert_same_weights(utils.weights(ours), utils.weights(keras_mixed), bound)
+    assert int(ours.optimizer.iterations) == int(keras_mixed.optimizer.iterations)
+    if policy == "mixed_float16":
+        assert isinstance(ours.optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
+        # The scale's counter advances per update, as the big batch's per step.
+        assert _scale(ours) == _scale(keras_mixed) == (2.0**15, 4)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_an_overflowing_micro_batch_skips_its_cycle_as_the_big_batch_skips(optimizer):
+    x, y = utils.classification_data()
+    x[B * K + 3, :] = 1e6  # in the second cycle: inf in float16
+    keras_mixed = _train("mixed_float16", optimizer, x, y, wrapped=False, epochs=1)
+    ours = _train("mixed_float16", optimizer, x, y, wrapped=True, epochs=1)
+    # tf-keras skipped the second of its 2 steps (counting it) and halved the
+    # scale.
+    assert int(keras_mixed.optimizer.iterations) == 2
+    assert _scale(keras_mixed) == (2.0**14, 0)
+    assert int(ours.optimizer.iterations) == 2
+    assert _scale(ours) == _scale(keras_mixed)
+    utils.assert_finite(utils.weights(ours))
+    utils.assert_same_weights(utils.weights(ours), utils.weights(keras_mixed), 1e-4)
