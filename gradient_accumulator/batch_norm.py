@@ -25,8 +25,18 @@ from gradient_accumulator._keras_compat import (
     track_variable,
 )
 from gradient_accumulator.accumulator import Accumulator
+from gradient_accumulator.batch_statistics import (
+    big_batch_moments,
+    counts,
+    micro_batch_sums,
+)
 from gradient_accumulator.engine import Binding
-from gradient_accumulator.validation import check_accum_steps, check_bool
+from gradient_accumulator.validation import (
+    check_accum_steps,
+    check_bool,
+    check_range,
+    take_no_renorm,
+)
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
 # layer does not implement (its moving statistics are not averages of batch
@@ -100,14 +110,14 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
     ):
         if accum_steps is not None:
             check_accum_steps(accum_steps)
-        _check_no_renorm(kwargs)
+        take_no_renorm(kwargs)
         if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
             raise TypeError(
                 "`axis` must be an integer (the features axis, e.g. -1 or 1). "
                 f"Received: axis={axis!r}."
             )
-        _check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
-        _check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
+        check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
+        check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
         check_bool("center", center)
         check_bool("scale", scale)
         check_bool("synchronized", synchronized)
@@ -228,16 +238,8 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         return ops.cast(outputs, self.compute_dtype)
 
     def _accumulate_statistics(self, inputs, mask, mean, variance) -> None:
-        """Adds this replica's micro-batch to the cycle's pooled statistics.
-
-        Chan's parallel merge, in float32: with ``n`` the per-channel element
-        count, ``m``, ``v`` the micro-batch's mean and biased variance (the
-        very moments Keras computes) and ``s`` the shift, the engine sums
-        ``n (m - s)``, ``n (v + (m - s)^2)`` and ``n``. Those are the sums of
-        ``x - s`` and ``(x - s)^2`` over the micro-batch, so the pooled
-        statistics are the big batch's, and the only cancellation left is of
-        ``(mean - s)^2``, small because ``s`` is the last big batch's mean.
-        """
+        """Adds this replica's micro-batch to the cycle's pooled statistics
+        (``batch_statistics``), shifted by the last big batch's mean."""
         if self.synchronized and mask is None:
             # The forward pass used every replica's moments; the pool needs
             # this replica's own (the engine sums replicas at the cycle end).
@@ -245,23 +247,10 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         channels = self.moving_mean.shape[0]
         mean = tf.reshape(tf.cast(mean, tf.float32), [channels])
         variance = tf.reshape(tf.cast(variance, tf.float32), [channels])
-        if mask is None:
-            shape = tf.shape(inputs, out_type=tf.int64)
-            size = tf.reduce_prod(tf.gather(shape, batch_norm_reduction_axes(self)))
-            count = tf.fill([channels], tf.cast(size, tf.float32))
-        else:
-            # Keras' masked moments: the mask broadcast on a new last axis.
-            weights = tf.cast(tf.expand_dims(mask, -1), tf.float32)
-            weights = tf.broadcast_to(weights, tf.shape(inputs))
-            count = tf.reshape(
-                tf.reduce_sum(weights, axis=batch_norm_reduction_axes(self)),
-                [channels],
-            )
+        count = counts(inputs, batch_norm_reduction_axes(self), channels, mask)
         shift = tf.cast(self.accumulation_shift, tf.float32)
-        offset = mean - shift
-        sums = [count * offset, count * (variance + tf.square(offset)), count]
         self._accumulator.step(
-            [tf.stop_gradient(t) for t in sums],
+            micro_batch_sums(mean, variance, count, shift),
             [self.moving_mean, self.moving_variance, self.accumulation_shift],
             apply_fn=self._apply_statistics,
             weight=None,
@@ -278,13 +267,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         whole effective batch (all micro-batches, all replicas), each divided
         by the same number.
         """
-        centred_sum, square_sum, count = means
-        centred_mean = tf.math.divide_no_nan(centred_sum, count)
-        centred_square = tf.math.divide_no_nan(square_sum, count)
-        mean = tf.cast(self.accumulation_shift, tf.float32) + centred_mean
-        # Biased variance, as Keras' layer uses; rounding can make a constant
-        # channel's variance a hair negative.
-        variance = tf.maximum(centred_square - tf.square(centred_mean), 0.0)
+        mean, variance = big_batch_moments(
+            means, tf.cast(self.accumulation_shift, tf.float32)
+        )
         dtype = self.moving_mean.dtype
         moving_mean = ops.cast(self.moving_mean, dtype)
         moving_variance = ops.cast(self.moving_variance, dtype)
@@ -298,21 +283,3 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
             moving_variance * self.momentum + variance * (1.0 - self.momentum)
         )
         self.accumulation_shift.assign(ops.cast(mean, self.accumulation_shift.dtype))
-
-
-def _check_range(name: str, value, accepted: str, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
-    if not low <= value <= high:
-        raise ValueError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
-
-
-def _check_no_renorm(kwargs: dict) -> None:
-    renorm = kwargs.pop("renorm", False)
-    kwargs.pop("renorm_clipping", None)
-    kwargs.pop("renorm_momentum", None)
-    if renorm:
-        raise ValueError(
-            "AccumBatchNormalization does not support batch renormalisation "
-            "(`renorm=True`). Received: renorm=True."
-        )

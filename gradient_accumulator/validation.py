@@ -212,3 +212,24 @@ def check_engine_settings(use_agc, clip_factor, eps, skip_update_fn) -> tuple:
         check_positive_float("eps", eps),
         skip_update_fn,
     )
+
+
+def check_range(name: str, value, accepted: str, low: float, high: float) -> None:
+    """Rejects a non-number (TypeError) or one outside ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
+    if not low <= value <= high:
+        raise ValueError(f"`{name}` must be {accepted}. Received: {name}={value!r}.")
+
+
+def take_no_renorm(kwargs: dict) -> None:
+    """Takes Keras' batch-renormalisation keywords out of a batch-norm
+    layer's ``kwargs``, refusing ``renorm=True``."""
+    renorm = kwargs.pop("renorm", False)
+    kwargs.pop("renorm_clipping", None)
+    kwargs.pop("renorm_momentum", None)
+    if renorm:
+        raise ValueError(
+            "AccumBatchNormalization does not support batch renormalisation "
+            "(`renorm=True`). Received: renorm=True."
+        )

@@ -16,6 +16,7 @@ from gradient_accumulator.keras2._compat import (
     loss_terms,
     reconstruct_from_config,
 )
+from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
@@ -143,10 +144,15 @@ class GradientAccumulateModel(tf_keras.Model):
     def flush(self) -> None:
         """Applies the micro-batches of the current, incomplete cycle now, with
         the gradient a big batch of just those micro-batches would give."""
+        if self._accumulator.pending:
+            # Also on a model just loaded, which has traced no step yet.
+            self._link_batch_norm(follow=True)
         self._accumulator.flush(self.distribute_strategy)
 
     def drop_partial_cycle(self) -> None:
         """Discards the micro-batches of the current, incomplete cycle."""
+        if self._accumulator.pending:
+            self._link_batch_norm(follow=True)
         self._accumulator.drop(self.distribute_strategy)
 
     def fit(self, *args, **kwargs):
@@ -183,8 +189,24 @@ class GradientAccumulateModel(tf_keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         self._sync_state()
-        self._plain = self._accumulator.plain()
+        self._plan_step()
         return super().make_train_function(force=force)
+
+    def _plan_step(self) -> None:
+        """Decides, from the state now, whether the step to trace is
+        tf-keras' own, and links the AccumBatchNormalization layers to the
+        cycle if it is not."""
+        self._plain = self._accumulator.plain()
+        self._link_batch_norm(follow=not self._plain)
+
+    def _link_batch_norm(self, follow: bool) -> None:
+        """Makes every AccumBatchNormalization (nested models included)
+        update its moving statistics on this model's cycle: one counter, and
+        their sums ride in the gradients' single all-reduce."""
+        steps = self._accumulator.accum_steps
+        for layer in self.submodules:
+            if isinstance(layer, AccumBatchNormalization):
+                layer.follow_model(self._accumulator, steps, link=follow)
 
     def _sync_state(self) -> None:
         if not self.built:
@@ -225,7 +247,7 @@ class GradientAccumulateModel(tf_keras.Model):
     # ---------------------------------------------------------------- training
     def train_step(self, data):
         if self._plain is None:
-            self._plain = self._accumulator.plain()
+            self._plan_step()  # called outside fit (a custom loop)
         if self._plain:
             return super().train_step(data)
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
