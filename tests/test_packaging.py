@@ -9,6 +9,7 @@ again), and imported from a directory outside the checkout.
 
 from __future__ import annotations
 
+import email.parser
 import json
 import os
 import site
@@ -20,8 +21,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 import gradient_accumulator
+from gradient_accumulator import _versions
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds per child process; subprocess.run kills it on expiry
@@ -66,8 +70,23 @@ def dist(tmp_path_factory) -> Path:
     return out
 
 
+PACKAGE = REPO / "gradient_accumulator"
+
+
+def python_files(folder: Path) -> set[str]:
+    """The ``.py`` files under ``folder``, subfolders' included (the tf-keras
+    hosts' subpackage, tests/keras2), as paths relative to the checkout."""
+    return {
+        p.relative_to(REPO).as_posix()
+        for p in folder.rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+
+
 def package_modules() -> set[str]:
-    return {p.name for p in (REPO / "gradient_accumulator").glob("*.py")}
+    """The package's top-level modules and subpackages, as pkgutil names them."""
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    return modules | {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
 
 
 def test_sdist_has_sources_tests_and_metadata(dist):
@@ -76,10 +95,9 @@ def test_sdist_has_sources_tests_and_metadata(dist):
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     for name in SDIST_FILES:
         assert name in names, name
-    for test in (REPO / "tests").glob("*.py"):
-        assert f"tests/{test.name}" in names, test.name
-    for module in package_modules() | {"py.typed"}:
-        assert f"gradient_accumulator/{module}" in names, module
+    for name in python_files(REPO / "tests") | python_files(PACKAGE):
+        assert name in names, name
+    assert "gradient_accumulator/py.typed" in names
 
 
 def test_wheel_has_every_module_and_py_typed(dist):
@@ -91,8 +109,7 @@ def test_wheel_has_every_module_and_py_typed(dist):
         entry_points = whl.read(
             f"gradient_accumulator-{version}.dist-info/entry_points.txt"
         ).decode()
-    expected = {f"gradient_accumulator/{m}" for m in package_modules()}
-    expected.add("gradient_accumulator/py.typed")
+    expected = python_files(PACKAGE) | {"gradient_accumulator/py.typed"}
     assert expected <= names, sorted(expected - names)
     assert not any(n.startswith(("tests/", "examples/", "docs/")) for n in names)
     assert "gradient-accumulator = gradient_accumulator.cli:main" in entry_points
@@ -132,10 +149,29 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     assert probe["version"] == gradient_accumulator.__version__
     assert probe["metadata_version"] == gradient_accumulator.__version__
     assert (package / "py.typed").is_file()
-    modules = {m.removesuffix(".py") for m in package_modules()} - {"__init__"}
-    assert set(probe["modules"]) == modules
+    assert set(probe["modules"]) == package_modules()
     assert probe["all_resolve"]
 
     script = venv / ("Scripts" if os.name == "nt" else "bin") / "gradient-accumulator"
     version = run(script, "--version", cwd=outside, env=env).stdout.strip()
     assert version == gradient_accumulator.__version__
+
+
+def test_wheel_metadata_has_the_extras_and_no_tensorflow(dist):
+    """The ``tf-keras`` extra pulls tf-keras in the defined range; outside the
+    extras the wheel requires Keras and numpy only (no TensorFlow, no tf-keras)."""
+    (wheel,) = dist.glob("*.whl")
+    version = gradient_accumulator.__version__
+    with zipfile.ZipFile(wheel) as whl:
+        text = whl.read(f"gradient_accumulator-{version}.dist-info/METADATA")
+    metadata = email.parser.Parser().parsestr(text.decode())
+    extras = set(metadata.get_all("Provides-Extra"))
+    assert {"tensorflow", "cpu", "and-cuda", "tf-keras"} <= extras, sorted(extras)
+    reqs = [Requirement(line) for line in metadata.get_all("Requires-Dist")]
+    assert {r.name for r in reqs if r.marker is None} == {"keras", "numpy"}
+    (tf_keras,) = [r for r in reqs if r.name == "tf-keras"]
+    assert tf_keras.specifier == SpecifierSet(_versions.TF_KERAS_SPEC)
+    assert tf_keras.marker is not None
+    assert tf_keras.marker.evaluate({"extra": "tf-keras"})
+    for other in extras - {"tf-keras"}:
+        assert not tf_keras.marker.evaluate({"extra": other}), other

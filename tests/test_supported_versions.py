@@ -1,14 +1,17 @@
-"""The supported TensorFlow/Keras/Python range: one definition, enforced.
+"""The supported TensorFlow/Keras/tf-keras/Python range: one definition, enforced.
 
-``gradient_accumulator/_backend.py`` defines the range and checks it at
-import; ``setup.cfg`` must say the same to pip, and ``.ci/run``'s lowest-pair
-step must install the lowest claimed pair (``.ci/lowest-pair.txt``) and run
-the files listed in ``.ci/lowest-tests.txt`` on it. These tests fail when one
-of them drifts from the others.
+``gradient_accumulator/_versions.py`` defines the ranges (``_backend``
+re-exports them) and they are checked at import; ``setup.cfg`` must say the
+same to pip, and ``.ci/run``'s lowest-pair step must install the lowest
+claimed pair (``.ci/lowest-pair.txt``) and run the files listed in
+``.ci/lowest-tests.txt`` on it; its tf-keras step must install tf-keras. These
+tests fail when one of them drifts from the others. Legacy Keras 2
+(``TF_USE_LEGACY_KERAS``) is told exactly as TensorFlow tells it.
 """
 
 from __future__ import annotations
 
+import ast
 import configparser
 import importlib.metadata
 import inspect
@@ -18,6 +21,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import keras
@@ -27,8 +31,8 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 import gradient_accumulator
-from gradient_accumulator import _backend
-from gradient_accumulator._backend import check_versions
+from gradient_accumulator import _backend, _versions
+from gradient_accumulator._backend import check_legacy_versions, check_versions
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / ".ci"
@@ -45,6 +49,7 @@ def expected_spec(low: tuple[int, ...], below: tuple[int, ...] | None) -> Specif
 
 TF_SPEC = expected_spec(_backend.TENSORFLOW_MIN, _backend.TENSORFLOW_BELOW)
 KERAS_SPEC = expected_spec(_backend.KERAS_MIN, _backend.KERAS_BELOW)
+TF_KERAS_SPEC = expected_spec(_backend.TF_KERAS_MIN, _backend.TF_KERAS_BELOW)
 
 
 # ------------------------------------------------------------ check_versions
@@ -88,6 +93,185 @@ def test_unsupported_pairs_get_one_line_naming_found_and_required(
     assert required + "tensorflow, tensorflow-cpu, ...) and keras" in message
     assert f"and keras{_backend.KERAS_SPEC};" in message
     assert "Install with: pip install 'gradient-accumulator[tensorflow]'" in message
+
+
+# --------------------------------------------- legacy Keras 2 (tf-keras)
+@pytest.mark.parametrize(
+    ("tf_version", "tf_keras_version"),
+    [
+        ("2.16.2", "2.16.0"),  # the lowest pair tf-keras claims
+        ("2.19.0", "2.19.0"),
+        ("2.21.0", "2.21.0"),
+        ("2.22.0-dev20260101", "2.22.0.dev2026010108"),  # nightlies
+    ],
+)
+def test_supported_legacy_pairs_pass(tf_version, tf_keras_version):
+    assert check_legacy_versions(tf_version, tf_keras_version) is None
+
+
+@pytest.mark.parametrize(
+    ("tf_version", "tf_keras_version", "found", "pin"),
+    [
+        ("2.15.1", "2.15.1", "found tensorflow 2.15.1, tf-keras 2.15.1.", None),
+        ("2.19.0", None, "found tensorflow 2.19.0, no tf-keras.", "2.19"),
+        ("2.21.0", "2.15.0", "found tensorflow 2.21.0, tf-keras 2.15.0.", "2.21"),
+        (None, "2.21.0", "found no tensorflow, tf-keras 2.21.0.", None),
+        (None, None, "found no tensorflow, no tf-keras.", None),
+        ("unknown", "2.21.0", "found tensorflow unknown, tf-keras 2.21.0.", None),
+    ],
+)
+def test_unsupported_legacy_pairs_get_one_line_naming_found_and_how_to_install(
+    tf_version, tf_keras_version, found, pin
+):
+    message = check_legacy_versions(tf_version, tf_keras_version)
+    assert message is not None
+    assert "\n" not in message
+    assert found in message
+    assert "TF_USE_LEGACY_KERAS" in message
+    assert f"tensorflow{_backend.TENSORFLOW_SPEC} and " in message
+    assert f"tf-keras{_backend.TF_KERAS_SPEC} " in message
+    assert f"keras{_backend.KERAS_SPEC}" not in message  # Keras 3 is not needed
+    install = "Install with: pip install 'gradient-accumulator[tf-keras]'"
+    assert install in message
+    # Beside a TensorFlow in range, the tf-keras of that TensorFlow (pip would
+    # otherwise pick the newest tf-keras and upgrade TensorFlow to match it).
+    if pin is None:
+        assert "'tf-keras==" not in message
+    else:
+        assert f"{install} 'tf-keras=={pin}.*'" in message
+
+
+LEGACY_TRUE = ["true", "True", "1"]
+LEGACY_FALSE = [None, "", "0", "false", "False", "TRUE", "yes", "on", " 1", "1 "]
+
+
+@pytest.mark.parametrize("value", LEGACY_TRUE + LEGACY_FALSE)
+def test_legacy_keras_requested_is_tensorflows_own_decision(value, monkeypatch):
+    """TensorFlow's KerasLazyLoader (what ``tf.keras`` is) routes to tf-keras
+    for exactly the values legacy_keras_requested accepts. tf-keras is made
+    importable by a stand-in, so TensorFlow's only question is the variable."""
+    from tensorflow.python.util.lazy_loader import KerasLazyLoader
+
+    if value is None:
+        monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    else:
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", value)
+    monkeypatch.setitem(sys.modules, "tf_keras", types.ModuleType("tf_keras"))
+    loader = KerasLazyLoader({})
+    loader._initialize()
+    routes_to_tf_keras = loader._tfll_keras_version == "tf_keras"
+    assert loader._tfll_keras_version in ("tf_keras", "keras_3")
+    assert _versions.legacy_keras_requested() is routes_to_tf_keras
+    assert routes_to_tf_keras is (value in LEGACY_TRUE)
+
+
+LEGACY_TEST = re.compile(
+    r"""environ\.get\(\s*["']TF_USE_LEGACY_KERAS["']\s*(?:,\s*None\s*)?\)"""
+    r"""\s*in\s*(\([^)]*\))"""
+)
+
+
+@pytest.mark.parametrize("module", ["__init__.py", "python/util/lazy_loader.py"])
+def test_tensorflow_source_tests_the_same_values(module):
+    """TensorFlow's own test of the variable, where it picks the Keras it
+    imports (``__init__``) and the one ``tf.keras`` is (``lazy_loader``)."""
+    source = (Path(tf.__file__).parent / module).read_text()
+    reads = len(re.findall(r"""["']TF_USE_LEGACY_KERAS["']""", source))
+    tests = LEGACY_TEST.findall(source)
+    assert tests, module
+    assert {ast.literal_eval(t) for t in tests} == {_versions.LEGACY_KERAS_VALUES}
+    assert len(tests) == reads, module  # no other reading of the variable
+
+
+def fake_module(version: str | None) -> types.SimpleNamespace | None:
+    return None if version is None else types.SimpleNamespace(__version__=version)
+
+
+@pytest.mark.parametrize(
+    ("legacy", "tf_keras", "keras_version", "error"),
+    [
+        # TFX-like: TensorFlow pulled an old Keras 3 that tf-keras users never use.
+        ("1", "2.21.0", "3.8.0", None),
+        ("1", None, keras.__version__, "no tf-keras."),
+        ("1", "2.15.1", keras.__version__, "tf-keras 2.15.1."),
+        (None, "2.21.0", "3.8.0", "keras 3.8.0."),  # Keras 3 mode: as before
+        (None, None, keras.__version__, None),
+    ],
+)
+def test_check_installed_requires_tf_keras_not_keras3_in_legacy_mode(
+    legacy, tf_keras, keras_version, error, monkeypatch
+):
+    if legacy is None:
+        monkeypatch.delenv("TF_USE_LEGACY_KERAS", raising=False)
+    else:
+        monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
+    monkeypatch.setitem(sys.modules, "tf_keras", fake_module(tf_keras))
+    monkeypatch.setitem(sys.modules, "keras", fake_module(keras_version))
+    if error is None:
+        _versions.check_installed()
+    else:
+        with pytest.raises(ImportError, match=re.escape(error)) as raised:
+            _versions.check_installed()
+        assert f"found tensorflow {tf.__version__}, " in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("tf_version", "tf_keras", "error"),
+    [
+        (None, "2.21.0", None),
+        (None, None, "no tf-keras."),
+        (None, "2.15.1", "tf-keras 2.15.1."),
+        ("2.15.1", "2.21.0", "found tensorflow 2.15.1, "),
+    ],
+)
+def test_backend_check_requires_tf_keras_not_keras3_in_legacy_mode(
+    tf_version, tf_keras, error, monkeypatch
+):
+    """``_backend`` checks the imported modules; in legacy mode Keras 3 (here
+    an out-of-range one) and KERAS_BACKEND do not matter."""
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "1")
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    monkeypatch.setitem(sys.modules, "tf_keras", fake_module(tf_keras))
+    monkeypatch.setitem(sys.modules, "keras", fake_module("3.8.0"))
+    if tf_version is not None:
+        monkeypatch.setitem(sys.modules, "tensorflow", fake_module(tf_version))
+    if error is None:
+        _backend._check()
+    else:
+        with pytest.raises(ImportError, match=re.escape(error)) as raised:
+            _backend._check()
+        assert "\n" not in str(raised.value)
+        assert "gradient-accumulator[tf-keras]" in str(raised.value)
+
+
+BACKEND_ALONE = f"""
+import importlib.util, os, sys, types
+if os.environ.get("TF_USE_LEGACY_KERAS") and not importlib.util.find_spec("tf_keras"):
+    sys.modules["tf_keras"] = types.SimpleNamespace(__version__="2.21.0")
+# _backend without the package's __init__ (which imports the hosts).
+package = types.ModuleType("gradient_accumulator")
+package.__path__ = [{str(REPO / "gradient_accumulator")!r}]
+sys.modules["gradient_accumulator"] = package
+import gradient_accumulator._backend
+print("KERAS_IMPORTED:", "keras" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(("legacy", "keras_imported"), [("1", False), ("", True)])
+def test_backend_imports_no_keras3_in_legacy_mode(legacy, keras_imported):
+    """``import tensorflow`` itself imports Keras 3 (``keras.src.optimizers``)
+    unless TF_USE_LEGACY_KERAS is set; then neither it nor ``_backend`` does."""
+    result = run_python(BACKEND_ALONE, TF_USE_LEGACY_KERAS=legacy)
+    assert f"KERAS_IMPORTED: {keras_imported}" in result.stdout.splitlines(), (
+        result.stdout + result.stderr[-3000:]
+    )
+
+
+def test_tf_keras_range_follows_tensorflows():
+    """tf-keras 2.X requires tensorflow 2.X: one lower bound for both."""
+    assert _backend.TF_KERAS_MIN == _backend.TENSORFLOW_MIN
+    assert _backend.TF_KERAS_BELOW == _backend.TENSORFLOW_BELOW
+    assert SpecifierSet(_versions.TF_KERAS_SPEC) == TF_KERAS_SPEC
 
 
 def test_the_running_pair_is_in_range():
@@ -162,8 +346,16 @@ def test_readme_installs_use_declared_extras_and_the_demo_gets_a_tensorflow():
     (demo,) = [line for line in readme.splitlines() if "digits_demo.py" in line]
     (extras,) = re.findall(r'pip install -e "\.\[([a-z,-]+)\]"', demo)
     assert {"tensorflow", "cpu", "and-cuda"} & set(extras.split(",")), demo
-    for needed in ("tensorflow", "cpu", "and-cuda"):
+    for needed in ("tensorflow", "cpu", "and-cuda", "tf-keras"):
         assert f'"gradient-accumulator[{needed}]"' in readme
+    assert f"tf-keras >= {dotted(_backend.TF_KERAS_MIN)}" in readme
+
+
+def test_setup_cfg_tf_keras_extra_has_the_defined_range():
+    reqs = requirements(setup_cfg()["options.extras_require"]["tf-keras"])
+    assert set(reqs) == {"tf-keras"}, sorted(reqs)
+    assert reqs["tf-keras"].specifier == TF_KERAS_SPEC
+    assert not reqs["tf-keras"].extras and reqs["tf-keras"].marker is None
 
 
 # ------------------------------------------- CI tests the lowest claimed pair
@@ -179,12 +371,21 @@ def lowest_pair() -> dict[str, str]:
 
 def test_ci_lowest_pair_is_the_claimed_lower_bound():
     pins = lowest_pair()
-    assert set(pins) == {"tensorflow-cpu", "keras"}, pins
-    tf_release = tuple(int(p) for p in pins["tensorflow-cpu"].split("."))
-    keras_release = tuple(int(p) for p in pins["keras"].split("."))
-    assert tf_release[:2] == _backend.TENSORFLOW_MIN
-    assert keras_release[:2] == _backend.KERAS_MIN
-    assert check_versions(pins["tensorflow-cpu"], pins["keras"]) is None
+    # The full tensorflow distribution: tf-keras requires it by name.
+    assert set(pins) == {"tensorflow", "keras", "tf-keras"}, pins
+    release = {name: tuple(int(p) for p in v.split(".")) for name, v in pins.items()}
+    assert release["tensorflow"][:2] == _backend.TENSORFLOW_MIN
+    assert release["keras"][:2] == _backend.KERAS_MIN
+    assert release["tf-keras"][:2] == _backend.TF_KERAS_MIN
+    assert check_versions(pins["tensorflow"], pins["keras"]) is None
+
+
+def test_ci_runs_the_tf_keras_tests_at_the_lowest_pair_too():
+    assert ci_installs()["low"] == {"tensorflow", "tf-keras", "test"}
+    script = (CI / "run").read_text()
+    assert re.search(
+        r'TF_USE_LEGACY_KERAS=1 run_pytest "\$low/bin/python" tests\b', script
+    )
 
 
 def lowest_test_files() -> list[Path]:
@@ -232,9 +433,41 @@ def test_ci_run_installs_the_lowest_pair_and_runs_the_list():
     assert "pip check" in script
 
 
+def ci_installs() -> dict[str, set[str]]:
+    """``.ci/run``'s ``install VENV EXTRAS`` lines: venv variable -> extras."""
+    script = (CI / "run").read_text()
+    found = re.findall(r'^\s*install "\$(\w+)" ([a-z,-]+)', script, re.MULTILINE)
+    installs: dict[str, set[str]] = {}
+    for venv, extras in found:
+        installs.setdefault(venv, set()).update(extras.split(","))
+    return installs
+
+
+def test_ci_run_installs_declared_extras():
+    declared = set(setup_cfg()["options.extras_require"])
+    installs = ci_installs()
+    assert {"venv", "low", "tfk"} <= set(installs), installs
+    for venv, extras in installs.items():
+        assert extras <= declared, (venv, extras)
+
+
+def test_ci_run_tests_tf_keras_with_the_tensorflow_distribution():
+    """tf-keras requires the ``tensorflow`` distribution by name: beside
+    tensorflow-cpu ([cpu]) pip would install a second TensorFlow."""
+    assert ci_installs()["tfk"] == {"tensorflow", "tf-keras", "test"}
+    script = (CI / "run").read_text()
+    assert "${GA_TFK_VENV:-.venv-ci-tfk}" in script
+    assert '"${GA_TFK:-1}" != 0' in script
+    assert re.search(
+        r'TF_USE_LEGACY_KERAS=1 run_pytest "\$tfk/bin/python" tests\b', script
+    )
+
+
 # ------------------------------------------------------------ at import time
-def run_python(code: str) -> subprocess.CompletedProcess:
+def run_python(code: str, **environ: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    env.update(environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
