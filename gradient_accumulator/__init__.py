@@ -35,7 +35,6 @@ _EXPORTS = {
     "accumulate": "accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
-    "replace_batchnorm_layers": "convert",
     "stop_accumulating": "accumulate",
     "unitwise_norm": "agc",
     "verify": "verify",
@@ -55,7 +54,6 @@ __all__ = [
     "accumulate",
     "adaptive_clip_grad",
     "compute_norm",
-    "replace_batchnorm_layers",
     "stop_accumulating",
     "unitwise_norm",
     "verify",
@@ -65,10 +63,16 @@ __all__ = [
 # Where tf.keras is tf-keras (TF_USE_LEGACY_KERAS=1), the public names are
 # the tf-keras hosts' (gradient_accumulator.keras2), so far these:
 _KERAS2_EXPORTS = {
+    "AccumBatchNormalization": "keras2.batch_norm",
+    "AccumulationScheduler": "keras2.callbacks",
+    "Accumulating": "keras2.accumulate",
+    "FlushPartialCycle": "keras2.callbacks",
     "GradientAccumulateModel": "keras2.model",
     "GradientAccumulateOptimizer": "keras2.optimizer",
+    "accumulate": "keras2.accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
+    "stop_accumulating": "keras2.accumulate",
     "unitwise_norm": "agc",
 }
 

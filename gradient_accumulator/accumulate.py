@@ -13,20 +13,26 @@ it was. :func:`stop_accumulating` gives it its class back.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
+from gradient_accumulator import in_place
 from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
 from gradient_accumulator.model import GradientAccumulateModel
-from gradient_accumulator.settings import SAVED, Settings
+from gradient_accumulator.settings import Settings
 
-# Saved files name this loader, which rebuilds the model's own class first.
-_LOADER = "gradient_accumulator>Accumulating"
-_MODEL_CLASS = "accumulated_class"
-_classes: dict[type, type] = {}
+KERAS = in_place.Keras(
+    package="keras",
+    model=keras.Model,
+    wrapper=GradientAccumulateModel,
+    custom_names=GLOBAL_CUSTOM_NAMES,
+    registered_name=keras.saving.get_registered_name,
+    registered_object=keras.saving.get_registered_object,
+    compiled=lambda model: model.compiled,
+    config=lambda model, own: GradientAccumulateModel.get_config(model),
+)
 
 
 def accumulate(
@@ -93,42 +99,21 @@ def accumulate(
     >>> type(model) is keras.Sequential
     True
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            "`model` must be a keras.Model instance. "
-            f"Received: model={model!r} of type {type(model).__name__}."
-        )
-    if isinstance(model, GradientAccumulateModel):
-        raise ValueError(
-            f"This {type(model).__name__} accumulates already; call "
-            "stop_accumulating(model) first to change its settings."
-        )
-    own = type(model)
-    if own.train_step is not _plain_train_step(own):
-        raise ValueError(
-            f"{own.__name__} overrides `train_step`, which accumulate() would "
-            "replace. Accumulate in that train_step instead (e.g. with "
-            "GradientAccumulateOptimizer), or move its logic into "
-            "`compute_loss`, which accumulate() keeps."
-        )
-    settings = Settings(
-        accum_steps=accum_steps,
-        use_agc=use_agc,
-        clip_factor=clip_factor,
-        eps=eps,
-        micro_batch_size=micro_batch_size,
-        partial_cycle=partial_cycle,
-        flush_at_end=flush_at_end,
-        skip_update_fn=skip_update_fn,
-        progress_logs=progress_logs,
+    return in_place.start(
+        KERAS,
+        model,
+        lambda: Settings(
+            accum_steps=accum_steps,
+            use_agc=use_agc,
+            clip_factor=clip_factor,
+            eps=eps,
+            micro_batch_size=micro_batch_size,
+            partial_cycle=partial_cycle,
+            flush_at_end=flush_at_end,
+            skip_update_fn=skip_update_fn,
+            progress_logs=progress_logs,
+        ),
     )
-    model.__class__ = _accumulating_class(own)
-    model._start_accumulating(settings)
-    if model.compiled:
-        # The train function Keras traced, if any, is plain training.
-        model.train_function = None
-        model._sync_state()
-    return model
 
 
 def stop_accumulating(model: keras.Model, flush: bool = True) -> keras.Model:
@@ -148,54 +133,7 @@ def stop_accumulating(model: keras.Model, flush: bool = True) -> keras.Model:
     Returns:
         ``model`` itself.
     """
-    own = getattr(type(model), "_accumulated_class", None)
-    if own is None:
-        raise ValueError(
-            "`model` was not made accumulating by accumulate(). Received a "
-            f"model of type {type(model).__name__}."
-        )
-    if model._accumulator.pending:
-        model.flush() if flush else model.drop_partial_cycle()
-    model._stop_accumulating()
-    model.__class__ = own
-    model.train_function = None
-    return model
-
-
-def _plain_train_step(cls: type):
-    """The ``train_step`` Keras itself gives ``cls`` (its backend trainer's)."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("keras.") and "train_step" in vars(klass):
-            return vars(klass)["train_step"]
-    return None
-
-
-def _accumulating_class(own: type) -> type:
-    if own not in _classes:
-        cls = type(
-            own.__name__,
-            (GradientAccumulateModel, own),
-            {
-                "__module__": own.__module__,
-                "__qualname__": own.__qualname__,
-                "_accumulated_class": own,
-                "get_config": _get_config,
-            },
-        )
-        GLOBAL_CUSTOM_NAMES[cls] = _LOADER
-        _classes[own] = cls
-    return _classes[own]
-
-
-def _get_config(self) -> dict:
-    own = type(self)._accumulated_class
-    config = GradientAccumulateModel.get_config(self)
-    config[_MODEL_CLASS] = {
-        "module": own.__module__,
-        "class_name": own.__name__,
-        "registered_name": keras.saving.get_registered_name(own),
-    }
-    return config
+    return in_place.stop(model, flush)
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -209,18 +147,4 @@ class Accumulating:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        reference = config.pop(_MODEL_CLASS)
-        settings = {k: config.pop(k) for k in SAVED if k in config}
-        own = _resolve(reference, custom_objects)
-        model = own.from_config(config)
-        return accumulate(model, **settings)
-
-
-def _resolve(reference: dict, custom_objects) -> type:
-    name = reference["registered_name"]
-    found = (custom_objects or {}).get(name) or keras.saving.get_registered_object(name)
-    if found is None:
-        module = importlib.import_module(reference["module"])
-        found = getattr(module, reference["class_name"])
-    return found
+        return in_place.load(KERAS, config, custom_objects, accumulate)

@@ -30,8 +30,10 @@ from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.arithmetic import overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.engine import Binding
+from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
+from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings
 from gradient_accumulator.validation import (
     check_single_accumulation,
@@ -192,10 +194,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         """Each variable's place in ``self.weights``: Keras' own order, the
         one ``get_weights`` and weight files use, so the same in another
         instance of the model (paths of auto-named layers are not)."""
-        index = {id(w): i for i, w in enumerate(self.weights)}
-        return [
-            f"weights[{index[id(v)]}]" if id(v) in index else v.path for v in variables
-        ]
+        return weight_names(self.weights, variables)
 
     def _stop_accumulating(self) -> None:
         """Removes what :meth:`_start_accumulating` gave this model."""
@@ -627,26 +626,10 @@ _clone_source = threading.local()
 
 
 def _init_functional(model, init, args, kwargs) -> None:
-    """Runs Keras' functional construction without rebasing our classes.
+    """Keras' functional construction, without rebasing our classes (see
+    ``functional_variants``)."""
 
-    ``keras.Model.__init__`` makes a subclass functional by rewriting the
-    class's ``__bases__`` to ``Functional`` for the whole process, after which
-    subclassing without ``inputs``/``outputs`` fails. Build as Keras does, put
-    the classes back, and give this instance a private class that derives from
-    both the user's class and ``Functional``.
-    """
-    cls = getattr(type(model), "_public_class", type(model))
-    bases = {
-        c: c.__bases__ for c in cls.__mro__ if issubclass(c, GradientAccumulateModel)
-    }
-    try:
-        init(*args, **kwargs)
-    finally:
-        for klass, original in bases.items():
-            if klass.__bases__ != original:
-                klass.__bases__ = original
-    if cls not in _functional_variants:
-
+    def namespace(cls) -> dict:
         def __init__(self, *args, **kwargs):
             # Keras builds a functional model's clone as
             # ``type(model)(inputs, outputs, name=...)``, right after running
@@ -659,20 +642,23 @@ def _init_functional(model, init, args, kwargs) -> None:
                 kwargs = {**_clone_source.__dict__.pop("settings", {}), **kwargs}
             _construct(functools.partial(cls.__init__, self, *args), kwargs)
 
-        variant = type(
-            cls.__name__,
-            (cls, Functional),
-            {
-                "__module__": cls.__module__,
-                "__qualname__": cls.__qualname__,
-                "__init__": __init__,
-                "_public_class": cls,
-            },
-        )
+        return {"__init__": __init__}
+
+    def register(variant, cls) -> None:
         # Saved files must name the public class, which rebuilds the variant.
         GLOBAL_CUSTOM_NAMES[variant] = keras.saving.get_registered_name(cls)
-        _functional_variants[cls] = variant
-    model.__class__ = _functional_variants[cls]
+
+    construct(
+        model,
+        init,
+        args,
+        kwargs,
+        host=GradientAccumulateModel,
+        functional=Functional,
+        variants=_functional_variants,
+        namespace=namespace,
+        register=register,
+    )
 
 
 def _drop_duplicate(error: TypeError, kwargs: dict) -> bool:

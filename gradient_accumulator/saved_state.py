@@ -32,6 +32,18 @@ def paths(variables) -> list[str]:
     return [getattr(v, "path", None) or v.name.split(":")[0] for v in variables]
 
 
+def weight_names(weights, variables) -> list[str]:
+    """Each of ``variables``' place in a model's ``weights`` (Keras' order,
+    the one ``get_weights`` and weight files use, so the same in another
+    instance of the model, where paths of auto-named layers are not); a
+    variable not among them by its path."""
+    index = {id(w): i for i, w in enumerate(weights)}
+    return [
+        f"weights[{index[id(v)]}]" if id(v) in index else paths([v])[0]
+        for v in variables
+    ]
+
+
 def sum_keys(names) -> tuple[str, ...]:
     """A file key per gradient sum, from its variable's name (``/`` is a
     group separator in H5 files, so it becomes ``|``), numbered on a repeat."""

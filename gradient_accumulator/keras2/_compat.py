@@ -7,6 +7,7 @@ fails there, by name.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -16,6 +17,7 @@ try:
     from tf_keras.src.engine.functional import (
         Functional,
         get_network_config,
+        has_functional_like_constructor,
         reconstruct_from_config,
     )
     from tf_keras.src.saving.object_registration import (
@@ -29,12 +31,47 @@ except ImportError as error:  # pragma: no cover - depends on the release
 
 __all__ = [
     "GLOBAL_CUSTOM_NAMES",
+    "Functional",
     "LossTerm",
+    "config_as",
     "functional_config",
     "loss_scale_variable",
     "loss_terms",
     "reconstruct_from_config",
+    "track_state",
+    "untrack_state",
+    "wrapping_loss_scaler",
 ]
+
+
+def track_state(model, name: str, state) -> None:
+    """Makes ``state`` a checkpoint dependency of ``model`` under ``name``
+    without making it a layer attribute (its variables stay out of the
+    model's weights)."""
+    model._track_trackable(state, name=name, overwrite=True)
+
+
+def untrack_state(model, name: str) -> None:
+    """Removes the checkpoint dependency :func:`track_state` added."""
+    model._delete_tracking(name)
+
+
+def wrapping_loss_scaler(inner):
+    """The ``LossScaleOptimizer`` wrapping ``inner`` when ``inner``'s method
+    is called from one of that scaler's methods (its ``build``, or
+    ``minimize`` asking for gradients); else None."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if (
+            isinstance(candidate, tf_keras.mixed_precision.LossScaleOptimizer)
+            and getattr(candidate, "inner_optimizer", None) is inner
+        ):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 def loss_scale_variable(scaler):
@@ -51,6 +88,15 @@ def functional_config(model) -> dict | None:
     return get_network_config(
         model, config={"name": model.name, "trainable": model.trainable}
     )
+
+
+def config_as(model, cls: type) -> dict:
+    """The config ``cls.get_config`` gives ``model``, an instance of a class
+    derived from ``cls`` with another constructor: tf-keras gives the
+    network config only to a class with a functional model's constructor."""
+    if cls.get_config is Functional.get_config and has_functional_like_constructor(cls):
+        return functional_config(model)
+    return cls.get_config(model)
 
 
 class LossTerm(NamedTuple):

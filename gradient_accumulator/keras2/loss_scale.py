@@ -12,6 +12,9 @@ from gradient_accumulator.dynamic_scale import cycle_hooks
 from gradient_accumulator.keras2._compat import loss_scale_variable
 
 LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
+# The class tf-keras wraps a current optimizer in (``compile`` under
+# mixed_float16, or ``LossScaleOptimizer(optimizer)``).
+LossScaleOptimizerV3 = type(LossScaleOptimizer(tf_keras.optimizers.SGD()))
 
 
 def scaler_of(optimizer):
@@ -47,3 +50,41 @@ def scale_hooks(optimizer):
         iterations.assign_add(1)
 
     return on_apply, on_skip
+
+
+# ------------------------------------------- LossScaleOptimizer(accumulating)
+# Under mixed_float16 ``compile`` wraps the optimizer wrapper in tf-keras'
+# LossScaleOptimizer, which checks, skips and grows its scale per call, i.e.
+# per micro-batch, and all-reduces every micro-batch's gradients. That one
+# instance is given the class below, which hands ``apply_gradients`` (with
+# the unscaled gradients) to the optimizer it wraps, so the cycle is checked
+# and counted once (``adopt``, called when the wrapper sees the scaler: from
+# its ``build`` or ``compute_gradients``). It saves as tf-keras' own class.
+class CycleLossScaleOptimizer(LossScaleOptimizerV3):
+    """tf-keras' LossScaleOptimizer around an accumulating optimizer: the
+    scale is checked, skipped and grown per cycle by the optimizer it wraps."""
+
+    def apply_gradients(
+        self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
+    ):
+        return self.inner_optimizer._apply_with_loss_scaler(
+            self, grads_and_vars, skip_gradients_aggregation, **kwargs
+        )
+
+
+CycleLossScaleOptimizer.__name__ = LossScaleOptimizerV3.__name__
+CycleLossScaleOptimizer.__qualname__ = LossScaleOptimizerV3.__qualname__
+CycleLossScaleOptimizer.__module__ = LossScaleOptimizerV3.__module__
+
+
+def adopt(scaler) -> None:
+    """Makes ``scaler``, a LossScaleOptimizer around an accumulating
+    optimizer, hand whole cycles to it (this instance only)."""
+    if type(scaler) is LossScaleOptimizerV3:
+        scaler.__class__ = CycleLossScaleOptimizer
+    elif not isinstance(scaler, CycleLossScaleOptimizer):
+        raise TypeError(
+            "The tf-keras GradientAccumulateOptimizer can be wrapped in "
+            "tf-keras' LossScaleOptimizer, not in a subclass of it: "
+            f"{type(scaler).__name__}."
+        )

@@ -11,15 +11,21 @@ import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator.engine import Binding
+from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.keras2._compat import (
+    GLOBAL_CUSTOM_NAMES,
+    Functional,
     functional_config,
     loss_terms,
     reconstruct_from_config,
+    track_state,
+    untrack_state,
 )
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
+from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings
 from gradient_accumulator.validation import (
     check_single_accumulation,
@@ -79,6 +85,10 @@ class GradientAccumulateModel(tf_keras.Model):
         *args,
         **kwargs,
     ):
+        if _is_tensor_structure(accum_steps):
+            # (inputs, outputs) given positionally, as tf-keras' own code may.
+            args = (accum_steps, mixed_precision, *args)
+            accum_steps, mixed_precision = 1, False
         use_agc = take_05_keywords(kwargs, use_agc)
         settings = Settings(
             accum_steps=accum_steps,
@@ -102,7 +112,20 @@ class GradientAccumulateModel(tf_keras.Model):
             False,
             "tf.distribute strategies are always supported.",
         )
-        super().__init__(*args, **kwargs)
+        if _functional_arguments(args, kwargs):
+            construct(
+                self,
+                super().__init__,
+                args,
+                kwargs,
+                host=GradientAccumulateModel,
+                functional=Functional,
+                variants=_functional_variants,
+                namespace=lambda cls: {},
+                register=_register_variant,
+            )
+        else:
+            super().__init__(*args, **kwargs)
         self._start_accumulating(settings)
 
     @tf.__internal__.tracking.no_automatic_dependency_tracking
@@ -111,7 +134,7 @@ class GradientAccumulateModel(tf_keras.Model):
         # Not tracked as a layer's attribute (its variables would join the
         # model's weights); a checkpoint dependency of its own instead.
         self._accumulator = accumulator = settings.accumulator()
-        self._track_trackable(accumulator, name="_accumulator", overwrite=True)
+        track_state(self, "_accumulator", accumulator)
         self._plain: bool | None = None
         accumulator.bind(
             Binding(
@@ -119,8 +142,41 @@ class GradientAccumulateModel(tf_keras.Model):
                 apply_fn=lambda: self._apply_fn(self.trainable_variables),
                 hooks=lambda: scale_hooks(self.optimizer),
                 strategy=lambda: self.distribute_strategy,
+                names=self._weight_names,
             )
         )
+
+    def _weight_names(self, variables) -> list[str]:
+        """Each variable's place in ``self.weights`` (the order weight files
+        use), so the same in another instance of the model."""
+        return weight_names(self.weights, variables)
+
+    # ``.keras`` files: the state rides in the model's own entry, under keys
+    # no layer weight has (a functional model has no weights of its own).
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        for key, variable in self._accumulator.state_items():
+            store[_STATE_KEY + key] = variable.numpy()
+
+    def load_own_variables(self, store) -> None:
+        keys = list(store.keys())
+        state = {
+            k[len(_STATE_KEY) :]: store[k] for k in keys if k.startswith(_STATE_KEY)
+        }
+        super().load_own_variables(
+            {k: store[k] for k in keys if not k.startswith(_STATE_KEY)}
+        )
+        self._accumulator.load_state(state)
+
+    @tf.__internal__.tracking.no_automatic_dependency_tracking
+    def _stop_accumulating(self) -> None:
+        """Removes what :meth:`_start_accumulating` gave this model, its
+        checkpoint dependency on the state included (``stop_accumulating``)."""
+        self._link_batch_norm(follow=False)
+        untrack_state(self, "_accumulator")
+        for name in ("_setup", "_accumulator", "_plain", "_end_of_fit"):
+            if name in vars(self):
+                delattr(self, name)
 
     # ----------------------------------------------------------------- config
     @property
@@ -333,6 +389,34 @@ class GradientAccumulateModel(tf_keras.Model):
 tf_keras.utils.get_custom_objects()[GradientAccumulateModel.__name__] = (
     GradientAccumulateModel
 )
+
+
+_functional_variants: dict[type, type] = {}
+_STATE_KEY = "accumulator:"
+
+
+def _register_variant(variant: type, cls: type) -> None:
+    # Saved files must name the public class, which rebuilds the variant.
+    GLOBAL_CUSTOM_NAMES[variant] = tf_keras.saving.get_registered_name(cls)
+
+
+def _functional_arguments(args, kwargs) -> bool:
+    """Whether a model is built from ``inputs`` and ``outputs`` (tf-keras'
+    rule: both positional, the first positional, or both keywords)."""
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def _is_tensor_structure(value) -> bool:
+    """Whether ``value`` is a symbolic tensor or a structure of them."""
+    if isinstance(value, int | float | bool | type(None)):
+        return False
+    return any(
+        isinstance(t, tf_keras.__internal__.KerasTensor) for t in tf.nest.flatten(value)
+    )
 
 
 class _PartialCycles(PartialCycles, tf_keras.callbacks.Callback):

@@ -3,6 +3,7 @@ a tf-keras optimizer (current or ``tf.keras.optimizers.legacy``)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -12,6 +13,8 @@ import tf_keras
 
 from gradient_accumulator._which_keras import KERAS3, keras_of
 from gradient_accumulator.engine import Binding, Engine
+from gradient_accumulator.keras2._compat import wrapping_loss_scaler
+from gradient_accumulator.keras2.loss_scale import adopt, scale_hooks
 from gradient_accumulator.keras2.optimizers import (
     LegacyOptimizer,
     apply_reduced,
@@ -118,6 +121,13 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         # The strategy the optimizer was made under: the engine's variables
         # are made in it, as the wrapped optimizer's are.
         self._strategy = tf.distribute.get_strategy()
+        # The LossScaleOptimizer whose scale this optimizer's cycles use (set
+        # when a step is traced). A weak reference: the scaler wraps this
+        # optimizer, and a tracked back-reference would make a cycle of
+        # checkpoint dependencies.
+        self._scaler = _no_scaler
+        # A FlushPartialCycle callback's end-of-fit action, if one is set.
+        self._end_of_fit: Callable[[], None] | None = None
 
     # ------------------------------------------------------------ delegation
     @property
@@ -171,12 +181,27 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
             variable.assign(weight)
 
     def finalize_variable_values(self, var_list):
+        end, self._end_of_fit = self._end_of_fit, None
+        if end is not None:
+            end()
         finalize = getattr(self.inner_optimizer, "finalize_variable_values", None)
         if finalize is not None:
             finalize(var_list)
 
     # ---------------------------------------------------------------- update
+    def _adopt_scaler(self) -> None:
+        # Called by our methods that a wrapping LossScaleOptimizer calls
+        # before its first apply_gradients.
+        scaler = wrapping_loss_scaler(self)
+        if scaler is not None:
+            adopt(scaler)
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        self._adopt_scaler()
+        return super().compute_gradients(loss, var_list, tape=tape)
+
     def build(self, var_list):
+        self._adopt_scaler()
         if getattr(self, "_built", False):
             return
         super().build(var_list)
@@ -193,6 +218,7 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
             Binding(
                 variables=lambda: variables,
                 apply_fn=lambda: self._apply_fn(variables),
+                hooks=lambda: scale_hooks(self._scaler()),
                 strategy=lambda: self._strategy,
             )
         )
@@ -219,6 +245,27 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         )
         if self._accumulator.plain() and not reduced:
             return self.inner_optimizer.apply_gradients(pairs, name=name, **kwargs)
+        self._accumulate(grads, variables, reduced)
+        return self.iterations
+
+    def _apply_with_loss_scaler(
+        self, scaler, grads_and_vars, skip_gradients_aggregation=False, **kwargs
+    ):
+        """``scaler.apply_gradients`` for a LossScaleOptimizer wrapping this
+        one (see ``keras2.loss_scale``): unscaled gradients of one call,
+        which this cycle checks and counts once, with ``scaler``'s scale."""
+        pairs = list(grads_and_vars)
+        variables = [v for _, v in pairs]
+        if not getattr(self, "_built", False):
+            with tf.init_scope():
+                self.build(variables)
+        reduced = skip_gradients_aggregation or not kwargs.pop(
+            "experimental_aggregate_gradients", True
+        )
+        self._accumulate([g for g, _ in pairs], variables, reduced, scaler)
+        return self.iterations
+
+    def _accumulate(self, grads, variables, reduced: bool, scaler=None) -> None:
         replicas = tf.distribute.get_strategy().num_replicas_in_sync
         weight, count = optimizer_weight(
             self.reduction, replicas, None, self._accumulator.opens_cycle
@@ -226,14 +273,17 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         if reduced and replicas > 1:
             # Every replica holds the total already; the engine sums again.
             weight = 1.0 / replicas
+        self._scaler = _no_scaler if scaler is None else weakref.ref(scaler)
+        on_apply, on_skip = scale_hooks(scaler)
         self._accumulator.step(
             grads,
             variables,
             apply_fn=self._apply_fn(variables),
             weight=weight,
             count=count,
+            on_apply=on_apply,
+            on_skip=on_skip,
         )
-        return self.iterations
 
     # ------------------------------------------------------- cycle control
     def set_accum_steps(self, accum_steps: int) -> bool:
@@ -272,6 +322,10 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
             .get("is_legacy_optimizer", False),
         )
         return cls(**config)
+
+
+def _no_scaler() -> None:
+    return None
 
 
 def _resolve_optimizer(optimizer):

@@ -30,3 +30,13 @@ def _fresh_tf_keras_state():
     tf_keras.mixed_precision.set_global_policy("float32")
     yield
     tf_keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(scope="session")
+def mirrored():
+    """One MirroredStrategy over the two logical CPUs for the whole session:
+    each instance numbers its collective all-reduces from the same start, so
+    a second one in the same process collides with the first's."""
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    assert strategy.num_replicas_in_sync == 2
+    return strategy

@@ -6,7 +6,6 @@ allowed."""
 
 import numpy as np
 import pytest
-import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
@@ -155,8 +154,8 @@ def test_explicit_accum_steps_must_match_the_model():
         model.fit(np.ones((4, 3)), np.ones((4, 3)), batch_size=2, verbose=0)
 
 
-def test_mirrored_strategy_pools_every_replica():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def test_mirrored_strategy_pools_every_replica(mirrored):
+    strategy = mirrored
     x, y = _data((6,))
     with strategy.scope():
         model = _accumulated((6,))

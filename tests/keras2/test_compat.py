@@ -67,4 +67,74 @@ def test_public_names_are_the_tf_keras_hosts():
 
 def test_names_not_yet_ported_say_so():
     with pytest.raises(ImportError, match="not available for tf-keras yet"):
-        from gradient_accumulator import AccumBatchNormalization  # noqa: F401
+        from gradient_accumulator import LayerCheck  # noqa: F401
+
+
+def test_global_custom_names_name_a_class_in_saved_files():
+    class Private(tf_keras.Model):
+        pass
+
+    compat.GLOBAL_CUSTOM_NAMES[Private] = "tests>Private"
+    try:
+        assert tf_keras.saving.get_registered_name(Private) == "tests>Private"
+    finally:
+        del compat.GLOBAL_CUSTOM_NAMES[Private]
+
+
+def test_config_as_gives_the_config_of_the_base_class():
+    class Variant(type(_functional())):
+        def __init__(self, setting=1, **kwargs):
+            super().__init__(**kwargs)
+
+    model = _functional()
+    want = model.get_config()
+    model.__class__ = type("Variant", (Variant,), {})
+    assert compat.config_as(model, Variant.__mro__[1]) == want
+    # tf-keras itself gives the network config only to functional constructors.
+    assert "layers" not in model.get_config()
+
+
+def test_track_state_checkpoints_it_outside_the_weights(tmp_path):
+    model = _functional()
+    state = tf.Module()
+    state.counter = tf.Variable(3)
+    compat.track_state(model, "_state", state)
+    assert len(model.weights) == 6  # three Dense layers: kernels and biases
+    assert all(w is not state.counter for w in model.weights)
+    path = tf.train.Checkpoint(model=model).save(tmp_path / "ckpt")
+    names = [name for name, _ in tf.train.list_variables(path)]
+    assert any(name.startswith("model/_state/counter") for name in names), names
+    compat.untrack_state(model, "_state")
+    path = tf.train.Checkpoint(model=model).save(tmp_path / "ckpt2")
+    assert not any("_state" in n for n, _ in tf.train.list_variables(path))
+
+
+def test_loss_scale_variable_is_the_scale():
+    scaler = tf_keras.mixed_precision.LossScaleOptimizer(
+        tf_keras.optimizers.SGD(), initial_scale=8.0
+    )
+    variable = compat.loss_scale_variable(scaler)
+    variable.assign(4.0)
+    assert float(scaler.loss_scale) == 4.0
+
+
+def test_functional_is_the_class_of_functional_models():
+    assert isinstance(_functional(), compat.Functional)
+    assert not isinstance(tf_keras.Sequential(), compat.Functional) or (
+        compat.Functional in type(tf_keras.Sequential()).__mro__
+    )
+
+
+def test_wrapping_loss_scaler_is_found_from_the_scalers_methods():
+    seen = []
+
+    class Inner(tf_keras.optimizers.SGD):
+        def build(self, var_list):
+            seen.append(compat.wrapping_loss_scaler(self))
+            super().build(var_list)
+
+    inner = Inner()
+    scaler = tf_keras.mixed_precision.LossScaleOptimizer(inner)
+    scaler.build([tf.Variable(1.0)])
+    assert seen == [scaler]
+    assert compat.wrapping_loss_scaler(inner) is None  # not called by it

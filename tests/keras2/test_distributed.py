@@ -2,6 +2,7 @@
 wrappers match plain tf-keras on the big batch, and sum the replicas' cycle
 once per update."""
 
+import contextlib
 import functools
 
 import numpy as np
@@ -41,18 +42,19 @@ def _big_batch(kind, strategy=None):
     """The plain model's weights after the big batch (under ``strategy``, if
     given) and the reductions its train function traced."""
     strategy = strategy or tf.distribute.get_strategy()
-    counts = _count_reductions(strategy)
     x, y = _data()
-    with strategy.scope():
-        model = _model()
-        model.compile(_optimizer(kind), "mse")
-    model.fit(x, y, batch_size=MICRO * STEPS, epochs=2, shuffle=False, verbose=0)
+    with _count_reductions(strategy) as counts:
+        with strategy.scope():
+            model = _model()
+            model.compile(_optimizer(kind), "mse")
+        model.fit(x, y, batch_size=MICRO * STEPS, epochs=2, shuffle=False, verbose=0)
     return model.get_weights(), counts
 
 
+@contextlib.contextmanager
 def _count_reductions(strategy):
     """Counts the cross-replica reductions traced under ``strategy`` (this
-    instance only)."""
+    instance only, while in the block)."""
     counts = {"reduce_to": 0, "batch_reduce_to": 0}
     extended = strategy.extended
     for name in counts:
@@ -64,26 +66,29 @@ def _count_reductions(strategy):
             return _original(*args, **kwargs)
 
         setattr(extended, name, counted)
-    return counts
+    try:
+        yield counts
+    finally:
+        for name in counts:
+            delattr(extended, name)  # the class's method again
 
 
 @pytest.mark.parametrize("kind", ["adam", "legacy_sgd"])
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
-def test_mirrored_matches_the_big_batch_with_one_reduction(wrapper, kind):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    assert strategy.num_replicas_in_sync == 2
-    counts = _count_reductions(strategy)
-    with strategy.scope():
-        if wrapper == "model":
-            model = _model(GradientAccumulateModel, accum_steps=STEPS)
-            model.compile(_optimizer(kind), "mse")
-        else:
-            model = _model()
-            optimizer = GradientAccumulateOptimizer(_optimizer(kind), accum_steps=STEPS)
-            model.compile(optimizer, "mse")
-    x, y = _data()
-    model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
-    want, plain = _big_batch(kind, tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]))
+def test_mirrored_matches_the_big_batch_with_one_reduction(wrapper, kind, mirrored):
+    strategy = mirrored
+    with _count_reductions(strategy) as counts:
+        with strategy.scope():
+            if wrapper == "model":
+                model = _model(GradientAccumulateModel, accum_steps=STEPS)
+                model.compile(_optimizer(kind), "mse")
+            else:
+                model = _model()
+                inner = _optimizer(kind)
+                model.compile(GradientAccumulateOptimizer(inner, STEPS), "mse")
+        x, y = _data()
+        model.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    want, plain = _big_batch(kind, strategy)
     for got, expected in zip(model.get_weights(), want):
         np.testing.assert_allclose(got, expected, atol=ATOL)
     assert model.optimizer.iterations.numpy() == 4
@@ -100,8 +105,8 @@ def test_mirrored_matches_the_big_batch_with_one_reduction(wrapper, kind):
     )
 
 
-def test_custom_loop_with_the_optimizer_wrapper_matches_the_big_batch():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+def test_custom_loop_with_the_optimizer_wrapper_matches_the_big_batch(mirrored):
+    strategy = mirrored
     x, y = _data()
 
     def train(model, optimizer, batch_size):

@@ -8,6 +8,7 @@ tests/test_mixed_precision.py (the Keras 3 version)."""
 import pytest
 import tf_keras
 
+from gradient_accumulator import GradientAccumulateOptimizer
 from tests.keras2 import utils
 
 B, K = 8, 4
@@ -26,15 +27,19 @@ def _layers():
 
 
 def _train(policy, optimizer, x, y, wrapped, epochs=2):
+    """``wrapped``: False (plain, on the big batch), "model" or "optimizer"."""
     tf_keras.mixed_precision.set_global_policy(policy)
     try:
-        if wrapped:
+        inner = OPTIMIZERS[optimizer]()
+        if wrapped == "model":
             model = utils.seeded(
                 lambda: utils.accumulating_model(_layers, accum_steps=K)
             )
         else:
             model = utils.seeded(lambda: utils.plain_model(_layers))
-        model.compile(OPTIMIZERS[optimizer](), utils.sparse_ce())
+        if wrapped == "optimizer":
+            inner = GradientAccumulateOptimizer(inner, accum_steps=K)
+        model.compile(inner, utils.sparse_ce())
         batch = B if wrapped else B * K
         model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     finally:
@@ -47,13 +52,17 @@ def _scale(model):
     return float(optimizer.loss_scale), int(optimizer.dynamic_counter.numpy())
 
 
+WRAPPERS = ["model", "optimizer"]
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
-def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer):
+def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer, wrapper):
     x, y = utils.classification_data()
     reference = utils.weights(_train("float32", optimizer, x, y, wrapped=False))
     keras_mixed = _train(policy, optimizer, x, y, wrapped=False)
-    ours = _train(policy, optimizer, x, y, wrapped=True)
+    ours = _train(policy, optimizer, x, y, wrapped=wrapper)
     low_precision = utils.max_abs_diff(utils.weights(keras_mixed), reference)
     assert 0 < low_precision < 1e-2, low_precision
     bound = MARGIN * low_precision
@@ -66,12 +75,15 @@ def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer):
         assert _scale(ours) == _scale(keras_mixed) == (2.0**15, 4)
 
 
+@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-def test_an_overflowing_micro_batch_skips_its_cycle_as_the_big_batch_skips(optimizer):
+def test_an_overflowing_micro_batch_skips_its_cycle_as_the_big_batch_skips(
+    optimizer, wrapper
+):
     x, y = utils.classification_data()
     x[B * K + 3, :] = 1e6  # in the second cycle: inf in float16
     keras_mixed = _train("mixed_float16", optimizer, x, y, wrapped=False, epochs=1)
-    ours = _train("mixed_float16", optimizer, x, y, wrapped=True, epochs=1)
+    ours = _train("mixed_float16", optimizer, x, y, wrapped=wrapper, epochs=1)
     # tf-keras skipped the second of its 2 steps (counting it) and halved the
     # scale.
     assert int(keras_mixed.optimizer.iterations) == 2

@@ -113,3 +113,19 @@ def test_checkpoint_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
     assert resumed.optimizer.iterations.numpy() == 2
     for got, want in zip(resumed.get_weights(), straight.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_keras_file_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
+    x, y = _data()
+    straight = _model(wrapper)
+    _fit(straight, x, y)
+    settings = {"flush_at_end": False} if wrapper == "model" else {}
+    first = _model(wrapper, **settings)
+    _fit(first, x[:24], y[:24])  # 3 micro-batches of the first cycle
+    first.save(tmp_path / "m.keras")
+    loaded = tf_keras.models.load_model(tmp_path / "m.keras")
+    _fit(loaded, x[24:], y[24:])
+    assert loaded.optimizer.iterations.numpy() == 2
+    for got, want in zip(loaded.get_weights(), straight.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)

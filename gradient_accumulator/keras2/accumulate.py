@@ -1,0 +1,112 @@
+"""``accumulate`` for tf-keras: make a tf-keras model you already have (a
+``Sequential``, a functional model, a subclass, one loaded from a file)
+accumulate, keeping its class; ``stop_accumulating`` gives its class back.
+As the Keras 3 ``accumulate`` (``gradient_accumulator.in_place`` does both),
+with the tf-keras ``GradientAccumulateModel``'s settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tf_keras
+
+from gradient_accumulator import in_place
+from gradient_accumulator.keras2._compat import GLOBAL_CUSTOM_NAMES, config_as
+from gradient_accumulator.keras2.model import GradientAccumulateModel
+from gradient_accumulator.settings import Settings
+
+# The keyword settings of accumulate(): the tf-keras model wrapper's (it has
+# no in-step mode).
+SETTINGS = tuple(
+    f.name
+    for f in dataclasses.fields(Settings)
+    if f.name not in ("accum_steps", "micro_batch_size")
+)
+
+
+def _config(model, own: type) -> dict:
+    # Its own class's config, with the settings the model wrapper saves.
+    settings = {k: v for k, v in model._setup.saved().items() if k in SETTINGS}
+    return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
+
+
+KERAS = in_place.Keras(
+    package="tf_keras",
+    model=tf_keras.Model,
+    wrapper=GradientAccumulateModel,
+    custom_names=GLOBAL_CUSTOM_NAMES,
+    registered_name=tf_keras.saving.get_registered_name,
+    registered_object=tf_keras.saving.get_registered_object,
+    compiled=lambda model: model._is_compiled,
+    config=_config,
+)
+
+
+def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
+    """Makes the tf-keras ``model`` accumulate gradients, in place, keeping
+    its class: it trains as a tf-keras ``GradientAccumulateModel`` with the
+    same arguments would, its weights lists are unchanged, and ``.keras``
+    files load it back accumulating.
+
+    Args:
+        model: a tf-keras model instance whose class does not override
+            ``train_step``.
+        accum_steps: micro-batches per optimizer update, an ``int >= 1``.
+        **settings: the model wrapper's, by keyword: ``partial_cycle``,
+            ``flush_at_end``, ``skip_update_fn``, ``progress_logs``,
+            ``use_agc``, ``clip_factor``, ``eps``.
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+
+    >>> import numpy as np, tf_keras
+    >>> from gradient_accumulator.keras2 import accumulate, stop_accumulating
+    >>> model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])
+    >>> model = accumulate(model, accum_steps=4)
+    >>> isinstance(model, tf_keras.Sequential)
+    True
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
+    >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
+    1
+    >>> type(stop_accumulating(model)) is tf_keras.Sequential
+    True
+    """
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        hint = (
+            " (the in-step mode is not available for tf-keras)"
+            if "micro_batch_size" in unknown
+            else ""
+        )
+        raise TypeError(
+            f"accumulate() got unexpected keyword argument(s) {unknown}{hint}. "
+            f"Its settings: {', '.join(SETTINGS)}."
+        )
+    return in_place.start(
+        KERAS, model, lambda: Settings(accum_steps=accum_steps, **settings)
+    )
+
+
+def stop_accumulating(model: tf_keras.Model, flush: bool = True) -> tf_keras.Model:
+    """Returns a model made accumulating by :func:`accumulate` to plain
+    training (its own class), in place, after applying (``flush=True``) or
+    dropping its pending partial cycle. Compile it again before training it
+    further. A ``ValueError`` for a model not made accumulating."""
+    return in_place.stop(model, flush)
+
+
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
+class Accumulating:
+    """Loads a tf-keras model saved after :func:`accumulate`: rebuilds it
+    with its own class's ``from_config``, then makes it accumulate with the
+    saved settings."""
+
+    def get_config(self) -> dict:  # registered classes must have one
+        raise NotImplementedError("Models save the config of their own class.")
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        return in_place.load(KERAS, config, custom_objects, accumulate)

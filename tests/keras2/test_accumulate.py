@@ -1,0 +1,298 @@
+"""tf-keras ``accumulate(model)``, from the user's side: a functional model,
+a ``Sequential``, a subclass with its own ``call`` and one with its own
+``compute_loss`` are made accumulating in place and train as plain tf-keras
+on the big batch; they keep their class and weights lists, save as the plain
+model does (``.keras`` and SavedModel load back accumulating, ``.h5`` as the
+model's own class), and ``stop_accumulating`` gives the class back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from gradient_accumulator import (
+    GradientAccumulateModel,
+    accumulate,
+    stop_accumulating,
+)
+from tests.keras2 import utils
+
+B, K = 4, 4
+N = 56  # 14 micro-batches: 3 full cycles and a partial one per epoch
+
+
+@tf_keras.saving.register_keras_serializable(package="tests_keras2_accumulate")
+class Net(tf_keras.Model):
+    """A subclassed model with its own ``call`` (and tf-keras' train_step)."""
+
+    def __init__(self, classes: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.classes = classes
+        self.hidden = tf_keras.layers.Dense(16, activation="tanh")
+        self.head = tf_keras.layers.Dense(classes)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+    def get_config(self):
+        return {"classes": self.classes, "name": self.name}
+
+
+class Penalized(tf_keras.Model):
+    """A functional model with its own ``compute_loss``: a mean cross-entropy
+    plus an L2 penalty on its kernels; compiled without a loss."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+        ce = tf_keras.losses.sparse_categorical_crossentropy(
+            y, y_pred, from_logits=True
+        )
+        kernels = [w for w in self.trainable_weights if "kernel" in w.name]
+        return tf.reduce_mean(ce) + 1e-2 * tf.add_n(
+            [tf.reduce_sum(tf.square(w)) for w in kernels]
+        )
+
+
+class OwnStep(tf_keras.Model):
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+def _sequential():
+    return tf_keras.Sequential(
+        [
+            tf_keras.Input((8,)),
+            tf_keras.layers.Dense(16, activation="tanh"),
+            tf_keras.layers.Dense(3),
+        ]
+    )
+
+
+def _subclassed():
+    net = Net()
+    net(np.zeros((1, 8), "float32"))  # built here, so that seeds fix its weights
+    return net
+
+
+KINDS = {
+    "functional": utils.plain_model,
+    "sequential": _sequential,
+    "subclassed": _subclassed,
+    "compute_loss": lambda: Penalized(*utils.mlp_layers()),
+}
+
+
+def _compile(model, kind, optimizer=None):
+    schedule = tf_keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
+    loss = None if kind == "compute_loss" else utils.sparse_ce()
+    model.compile(optimizer or tf_keras.optimizers.Adam(schedule), loss)
+
+
+def _pair(kind, **settings):
+    """A plain model and one made accumulating, with the same weights."""
+    plain = utils.seeded(KINDS[kind])
+    model = accumulate(utils.seeded(KINDS[kind]), **settings)
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain), 0.0)
+    return plain, model
+
+
+def _name(variable) -> str:
+    """A variable's name without its layer's (automatic layer names differ
+    between the two models)."""
+    return variable.name.split("/")[-1]
+
+
+def _same(model, plain) -> float:
+    diff = utils.assert_same_weights(utils.weights(model), utils.weights(plain))
+    return utils.report(diff)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_equals_plain_tf_keras_on_the_big_batch(kind):
+    """Adam with a schedule, two epochs of 14 micro-batches, each epoch's
+    partial cycle flushed as plain tf-keras' short last batch."""
+    x, y = utils.classification_data(N)
+    plain, model = _pair(kind, accum_steps=K, partial_cycle="flush")
+    own = type(plain)
+    assert isinstance(model, own) and isinstance(model, GradientAccumulateModel)
+    assert type(model).__name__ == own.__name__
+    initial = utils.weights(plain)
+    for m in (plain, model):
+        _compile(m, kind)
+    logs = utils.fit(plain, x, y, B * K, epochs=2).history
+    history = utils.fit(model, x, y, B, epochs=2).history
+    utils.assert_trained(initial, utils.weights(plain))
+    assert sorted(history) == sorted(logs)  # the plain model's logs
+    assert all(np.isfinite(v).all() for v in history.values())
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 8
+    _same(model, plain)
+    assert model._accumulator.pending == 0
+    # The same weights lists: no accumulation state among them.
+    names = [[(_name(w), tuple(w.shape)) for w in m.weights] for m in (plain, model)]
+    assert names[0] == names[1]
+    assert len(model.get_weights()) == len(plain.get_weights())
+    assert model.count_params() == plain.count_params()
+
+
+def test_compile_before_accumulate_then_fit_accumulates():
+    plain, model = utils.seeded(utils.plain_model), utils.seeded(utils.plain_model)
+    for m in (plain, model):
+        _compile(m, "functional")
+    x, y = utils.classification_data(32)
+    utils.fit(model, x[:8], y[:8], B * K)  # a plain step, traced
+    utils.fit(plain, x[:8], y[:8], B * K)
+    accumulate(model, accum_steps=K)
+    utils.fit(model, x, y, B)
+    utils.fit(plain, x, y, B * K)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 3
+    _same(model, plain)
+
+
+def test_under_mirrored_strategy_it_trains_as_the_big_batch(mirrored):
+    strategy = mirrored
+    x, y = utils.classification_data(64)
+    with strategy.scope():
+        model = accumulate(utils.seeded(utils.plain_model), accum_steps=K)
+        plain = utils.seeded(utils.plain_model)
+        for m in (model, plain):
+            _compile(m, "functional", tf_keras.optimizers.Adam(0.01))
+    utils.fit(model, x, y, 2 * B)
+    utils.fit(plain, x, y, 2 * B * K)
+    updates = [m.optimizer.iterations.numpy() for m in (model, plain)]
+    assert updates == [2, 2]
+    _same(model, plain)
+
+
+# -------------------------------------------------------------------- saving
+@pytest.mark.parametrize("path", ["m.keras", "saved_model_dir", "m.h5"])
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_saved_files_load_and_train_on_as_the_plain_model(kind, path, tmp_path):
+    """Saved after whole cycles; ``.keras`` and SavedModel load back
+    accumulating (its own class, the settings), ``.h5`` as its own plain
+    class (it names a model by its bare class name); each then trains on as
+    the plain model saved and loaded the same way."""
+    x, y = utils.classification_data(64)
+    plain, model = _pair(kind, accum_steps=K, progress_logs=True)
+    own = type(plain)
+    for m in (plain, model):
+        _compile(m, kind, tf_keras.optimizers.Adam(0.01))
+    utils.fit(model, x[:32], y[:32], B)
+    utils.fit(plain, x[:32], y[:32], B * K)
+    loaded = []
+    for name, m in (("acc", model), ("plain", plain)):
+        (tmp_path / name).mkdir()
+        m.save(tmp_path / name / path)
+        loaded.append(tf_keras.models.load_model(tmp_path / name / path))
+    again, reference = loaded
+    assert isinstance(again, own)
+    if path == "m.h5":
+        assert type(again) is own
+        accumulate(again, accum_steps=K)
+    else:
+        assert isinstance(again, GradientAccumulateModel)
+        assert again.accum_steps == K
+        assert again.get_config()["progress_logs"] is True
+    assert int(again.optimizer.iterations) == int(reference.optimizer.iterations)
+    utils.assert_same_weights(again.get_weights(), model.get_weights(), 0.0)
+    utils.fit(again, x[32:], y[32:], B)
+    utils.fit(reference, x[32:], y[32:], B * K)
+    _same(again, reference)
+
+
+def test_subclassed_model_round_trips_a_keras_file(tmp_path):
+    _, model = _pair("subclassed", accum_steps=K)
+    _compile(model, "subclassed")
+    x, y = utils.classification_data(32)
+    utils.fit(model, x, y, B)
+    model.save(tmp_path / "net.keras")
+    loaded = tf_keras.models.load_model(tmp_path / "net.keras")
+    assert isinstance(loaded, Net) and isinstance(loaded, GradientAccumulateModel)
+    assert loaded.classes == 3 and loaded.accum_steps == K
+    utils.assert_same_weights(loaded.get_weights(), model.get_weights(), 0.0)
+
+
+def test_weights_file_is_the_plain_models(tmp_path):
+    plain, model = _pair("functional", accum_steps=K)
+    _compile(model, "functional")
+    x, y = utils.classification_data(24)
+    utils.fit(model, x, y, B)  # an update and 2 pending micro-batches
+    model.save_weights(tmp_path / "w.h5")
+    plain.load_weights(tmp_path / "w.h5")
+    utils.assert_same_weights(plain.get_weights(), model.get_weights(), 0.0)
+
+
+# ---------------------------------------------------------------------- undo
+@pytest.mark.parametrize("flush", [True, False])
+def test_stop_accumulating_returns_it_to_plain_training(flush, tmp_path):
+    """The pending cycle is applied (or dropped), the class is the model's
+    own again, no accumulation state is left in it, and it trains, saves and
+    accumulates again as a plain model."""
+    plain, model = _pair("sequential", accum_steps=K, flush_at_end=False)
+    for m in (plain, model):
+        _compile(m, "sequential")
+    x, y = utils.classification_data(48)
+    utils.fit(model, x[:24], y[:24], B)
+    assert model._accumulator.pending == 2
+    assert stop_accumulating(model, flush=flush) is model
+    assert type(model) is tf_keras.Sequential
+    assert not hasattr(model, "_accumulator")
+    assert "_accumulator" not in model._trackable_children()
+    assert "accum_steps" not in model.get_config()
+    # Batches of 16 and 8: the same updates (without the 8 when dropped).
+    utils.fit(plain, x[: 24 if flush else 16], y[: 24 if flush else 16], B * K)
+    _same(model, plain)
+
+    for m in (plain, model):
+        _compile(m, "sequential")
+    utils.fit(model, x[24:], y[24:], B)
+    utils.fit(plain, x[24:], y[24:], B)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+    _same(model, plain)
+    model.save(tmp_path / "plain.keras")
+    assert type(tf_keras.models.load_model(tmp_path / "plain.keras")) is type(model)
+    assert isinstance(accumulate(model, accum_steps=2), GradientAccumulateModel)
+
+
+# ------------------------------------------------------------------ refusals
+def test_a_class_that_overrides_train_step_is_refused():
+    model = OwnStep(*utils.mlp_layers())
+    with pytest.raises(ValueError, match="train_step"):
+        accumulate(model, accum_steps=K)
+    assert type(model) is OwnStep
+
+
+def test_an_accumulating_model_is_refused():
+    model = accumulate(utils.plain_model(), accum_steps=2)
+    with pytest.raises(ValueError, match="stop_accumulating"):
+        accumulate(model, accum_steps=K)
+    with pytest.raises(ValueError, match="accumulates already"):
+        accumulate(utils.accumulating_model(accum_steps=2))
+
+
+BAD_ARGUMENTS = [
+    ({"accum_steps": 0}, ValueError, "`accum_steps`"),
+    ({"accum_steps": 2.5}, TypeError, "`accum_steps`"),
+    ({"partial_cycle": "sometimes"}, ValueError, "`partial_cycle`"),
+    ({"flush_at_end": "yes"}, TypeError, "`flush_at_end`"),
+    ({"use_agc": True, "clip_factor": -1.0}, ValueError, "`clip_factor`"),
+    ({"micro_batch_size": 2}, TypeError, "micro_batch_size"),
+    ({"accum_step": 2}, TypeError, "accum_step"),
+]
+
+
+def test_bad_arguments_name_the_argument_and_leave_the_model_alone():
+    model = _sequential()
+    for settings, error, name in BAD_ARGUMENTS:
+        with pytest.raises(error, match=name):
+            accumulate(model, **settings)
+        assert type(model) is tf_keras.Sequential
+        assert not hasattr(model, "_accumulator")
+    for thing in (None, "model", tf_keras.layers.Dense(2)):
+        with pytest.raises(TypeError, match="`model`"):
+            accumulate(thing, accum_steps=K)
+
+
+def test_stop_accumulating_a_plain_model_is_a_value_error():
+    with pytest.raises(ValueError, match="accumulate"):
+        stop_accumulating(utils.plain_model())
