@@ -18,7 +18,7 @@ import sys
 import types
 
 from gradient_accumulator._version import __version__
-from gradient_accumulator._versions import check_installed
+from gradient_accumulator._versions import check_installed, legacy_keras_requested
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
@@ -35,6 +35,7 @@ _EXPORTS = {
     "accumulate": "accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
+    "replace_batchnorm_layers": "convert",
     "stop_accumulating": "accumulate",
     "unitwise_norm": "agc",
     "verify": "verify",
@@ -54,6 +55,7 @@ __all__ = [
     "accumulate",
     "adaptive_clip_grad",
     "compute_norm",
+    "replace_batchnorm_layers",
     "stop_accumulating",
     "unitwise_norm",
     "verify",
@@ -69,20 +71,24 @@ _KERAS2_EXPORTS = {
     "FlushPartialCycle": "keras2.callbacks",
     "GradientAccumulateModel": "keras2.model",
     "GradientAccumulateOptimizer": "keras2.optimizer",
+    "LayerCheck": "keras2.verify",
+    "VariableCheck": "keras2.verify",
+    "VerifyReport": "keras2.verify",
     "accumulate": "keras2.accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
     "stop_accumulating": "keras2.accumulate",
     "unitwise_norm": "agc",
+    "verify": "keras2.verify",
 }
 
 
 def _tf_keras_in_use() -> bool:
-    """Whether ``tf.keras`` is tf-keras: TensorFlow's own answer (its rule
-    is ``TF_USE_LEGACY_KERAS`` and an installed tf-keras)."""
-    import tensorflow as tf
-
-    return tf.keras.__name__.startswith("tf_keras")
+    """Whether ``tf.keras`` is tf-keras: TensorFlow's own rule, told from
+    the environment (``_backend`` has then checked tf-keras is installed).
+    Not from ``tf.keras`` itself: after ``from tensorflow.keras import ...``
+    that name is the ``tensorflow.keras`` module whichever Keras it is."""
+    return legacy_keras_requested()
 
 
 def _load() -> None:

@@ -1,6 +1,6 @@
 """Deprecated 0.5.x import path: use ``from gradient_accumulator import
-GradientAccumulateModel, GradientAccumulateOptimizer`` (defined in
-``gradient_accumulator.model`` and ``gradient_accumulator.optimizer``)."""
+GradientAccumulateModel, GradientAccumulateOptimizer`` (the Keras 3 or the
+tf-keras classes, as the package's public names are)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from collections.abc import Iterable
 
 import tensorflow as tf
 
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from gradient_accumulator._compat import warn_moved
-from gradient_accumulator.model import GradientAccumulateModel
-from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 
 warn_moved(
     __name__,

@@ -1,8 +1,9 @@
 """Deprecated 0.5.x import path: use ``from gradient_accumulator import
-AccumBatchNormalization`` (defined in ``gradient_accumulator.batch_norm``)."""
+AccumBatchNormalization`` (the Keras 3 or the tf-keras layer, as the package's
+public name is)."""
 
+from gradient_accumulator import AccumBatchNormalization
 from gradient_accumulator._compat import warn_moved
-from gradient_accumulator.batch_norm import AccumBatchNormalization
 
 warn_moved(__name__, "gradient_accumulator (gradient_accumulator.batch_norm)")
 

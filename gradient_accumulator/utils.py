@@ -1,13 +1,13 @@
 """Deprecated 0.5.x import path: use ``from gradient_accumulator import
-replace_batchnorm_layers`` (defined in ``gradient_accumulator.convert``).
+replace_batchnorm_layers`` (the Keras 3 or the tf-keras one, as the
+package's public names are).
 
 0.5.x's ``utils`` also held ``AccumBatchNormalization`` (imported there), so
 ``from gradient_accumulator.utils import AccumBatchNormalization`` works too.
 """
 
+from gradient_accumulator import AccumBatchNormalization, replace_batchnorm_layers
 from gradient_accumulator._compat import warn_moved
-from gradient_accumulator.batch_norm import AccumBatchNormalization
-from gradient_accumulator.convert import replace_batchnorm_layers
 
 warn_moved(
     __name__, "gradient_accumulator (gradient_accumulator.batch_norm and .convert)"
