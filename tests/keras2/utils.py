@@ -35,6 +35,16 @@ OPTIMIZERS = {
 }
 
 
+# SGD with momentum and Adam, current and legacy: the inner optimizers of the
+# XLA and multi-worker tests.
+MOMENTUM_AND_ADAM = {
+    "sgd_momentum": lambda: tf_keras.optimizers.SGD(0.05, momentum=0.9),
+    "adam": OPTIMIZERS["adam"],
+    "legacy_sgd_momentum": lambda: legacy.SGD(0.05, momentum=0.9),
+    "legacy_adam": OPTIMIZERS["legacy_adam"],
+}
+
+
 def _halving(kind):
     """``kind`` SGD whose learning rate halves at every update: advancing per
     micro-batch instead would shrink it K-fold faster."""
