@@ -77,6 +77,7 @@ _KERAS2_EXPORTS = {
     "accumulate": "keras2.accumulate",
     "adaptive_clip_grad": "agc",
     "compute_norm": "agc",
+    "replace_batchnorm_layers": "keras2.convert",
     "stop_accumulating": "keras2.accumulate",
     "unitwise_norm": "agc",
     "verify": "keras2.verify",

@@ -12,8 +12,15 @@ from gradient_accumulator.keras2.callbacks import (
     AccumulationScheduler,
     FlushPartialCycle,
 )
+from gradient_accumulator.keras2.convert import replace_batchnorm_layers
 from gradient_accumulator.keras2.model import GradientAccumulateModel
 from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.keras2.verify import (
+    LayerCheck,
+    VariableCheck,
+    VerifyReport,
+    verify,
+)
 
 __all__ = [
     "AccumBatchNormalization",
@@ -22,6 +29,11 @@ __all__ = [
     "FlushPartialCycle",
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
+    "LayerCheck",
+    "VariableCheck",
+    "VerifyReport",
     "accumulate",
+    "replace_batchnorm_layers",
     "stop_accumulating",
+    "verify",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "Functional",
     "LossTerm",
     "config_as",
+    "draws_random",
     "functional_config",
     "loss_scale_variable",
     "loss_terms",
@@ -72,6 +73,13 @@ def wrapping_loss_scaler(inner):
             return candidate
         frame = frame.f_back
     return None
+
+
+def draws_random(layer) -> bool:
+    """Whether ``layer`` draws random numbers when called (tf-keras' random
+    layers, ``Dropout``, noise and augmentation among them, hold a random
+    generator)."""
+    return getattr(layer, "_random_generator", None) is not None
 
 
 def loss_scale_variable(scaler):

@@ -67,7 +67,22 @@ def test_public_names_are_the_tf_keras_hosts():
 
 def test_names_not_yet_ported_say_so():
     with pytest.raises(ImportError, match="not available for tf-keras yet"):
-        from gradient_accumulator import LayerCheck  # noqa: F401
+        from gradient_accumulator import Accumulator  # noqa: F401
+
+
+def test_draws_random_tells_the_layers_that_draw_random_numbers():
+    for layer in (
+        tf_keras.layers.Dropout(0.5),
+        tf_keras.layers.GaussianNoise(0.1),
+        tf_keras.layers.RandomFlip(),
+    ):
+        assert compat.draws_random(layer), layer
+    for layer in (
+        tf_keras.layers.Dense(2),
+        tf_keras.layers.BatchNormalization(),
+        tf_keras.layers.LayerNormalization(),
+    ):
+        assert not compat.draws_random(layer), layer
 
 
 def test_global_custom_names_name_a_class_in_saved_files():

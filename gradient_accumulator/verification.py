@@ -1,0 +1,457 @@
+"""What ``verify`` does, written once for Keras 3 and tf-keras: train a model
+two ways from the same initial weights on the same samples in the same order
+(plain Keras with the big batch, ``micro_batch_size * accum_steps``, and the
+model wrapper with the micro-batch) and compare every variable, layer by
+layer. Each Keras' ``verify`` module describes its Keras in a :class:`Keras`
+and keeps the public function and its docs; the report types live here."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from gradient_accumulator.validation import check_accum_steps, check_positive_float
+
+__all__ = ["Keras", "LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
+
+_BATCH_NORM = (
+    "the forward pass normalises with each micro-batch's "
+    "statistics, and the moving statistics update once per micro-batch.\n"
+    "    Fix: use gradient_accumulator.AccumBatchNormalization in its place\n"
+    "    (replace_batchnorm_layers(model) converts a model): it updates the\n"
+    "    moving statistics once per update, with the big batch's. Training\n"
+    "    still normalises per micro-batch (docs/batch-norm.md); for exact\n"
+    "    gradients use LayerNormalization or GroupNormalization."
+)
+_ACCUM_BATCH_NORM = (
+    "the forward pass normalises with each micro-batch's statistics "
+    "(AccumBatchNormalization makes the moving statistics the big batch's, not "
+    "the gradients); LayerNormalization or GroupNormalization are exact"
+)
+_RANDOM = "randomness: it draws random numbers per call, so one big batch and {k} "
+_RANDOM += "micro-batches draw different ones"
+_STATEFUL = "non-trainable state updated per call ({k} times per update, not once)"
+_DOWNSTREAM = "follows from {causes}"
+_UNEXPLAINED = (
+    "no known cause in this layer: a loss or layer that couples the samples "
+    "of a batch, or float32 round-off (raise `tolerance`)"
+)
+
+
+@dataclass(frozen=True)
+class VariableCheck:
+    """One variable: how far the two trainings ended apart."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+    max_abs_diff: float
+    """``max |w_accumulated - w_big_batch|`` after training."""
+    moved: float
+    """``max |w_big_batch - w_initial|``: how much training changed it."""
+    ok: bool
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One top-level layer of the model."""
+
+    name: str
+    class_name: str
+    variables: list[VariableCheck]
+    ok: bool
+    reason: str | None
+    """Why the layer breaks equivalence (``None`` when ``ok``)."""
+    breaks_equivalence: bool
+    """True if the cause lies in this layer (or a layer nested in it), False
+    if its variables differ only because another layer's do."""
+
+    @property
+    def max_abs_diff(self) -> float | None:
+        """Largest difference over the layer's variables (``None``: no
+        variables)."""
+        return max((v.max_abs_diff for v in self.variables), default=None)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The result of :func:`verify`; ``str(report)`` is a readable table."""
+
+    layers: list[LayerCheck]
+    tolerance: float
+    micro_batch_size: int
+    accum_steps: int
+    steps: int
+    moved: float
+    """Largest change of any trainable variable during big-batch training: a
+    comparison of weights that training did not move proves nothing."""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def max_abs_diff(self) -> float:
+        """Largest difference over all variables."""
+        return max(
+            (v.max_abs_diff for layer in self.layers for v in layer.variables),
+            default=0.0,
+        )
+
+    @property
+    def ok(self) -> bool:
+        """True if every variable agrees within ``tolerance`` and training
+        moved the weights by more than ``tolerance``."""
+        return self.moved > self.tolerance and all(x.ok for x in self.layers)
+
+    @property
+    def failing_layers(self) -> list[LayerCheck]:
+        """Layers whose variables differ or that break equivalence."""
+        return [x for x in self.layers if not x.ok]
+
+    @property
+    def causes(self) -> list[LayerCheck]:
+        """Failing layers that break equivalence themselves."""
+        return [x for x in self.failing_layers if x.breaks_equivalence]
+
+    def __str__(self) -> str:
+        big = self.micro_batch_size * self.accum_steps
+        head = (
+            f"big batch {big} vs accumulated {self.micro_batch_size} x "
+            f"{self.accum_steps}, {self.steps} update(s); tolerance "
+            f"{self.tolerance:g}"
+        )
+        rows = [("layer", "variable", "max |diff|", "moved", "ok")]
+        for layer in self.layers:
+            label = f"{layer.name} ({layer.class_name})"
+            if not layer.variables:
+                rows.append((label, "-", "-", "-", _mark(layer.ok)))
+            for i, v in enumerate(layer.variables):
+                rows.append(
+                    (
+                        label if i == 0 else "",
+                        v.name + ("" if v.trainable else " (non-trainable)"),
+                        f"{v.max_abs_diff:.2e}",
+                        f"{v.moved:.2e}",
+                        _mark(v.ok),
+                    )
+                )
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [head, ""]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        lines.append("")
+        if self.causes:
+            lines.append("Breaks equivalence:")
+            lines.extend(
+                f"  {x.name} ({x.class_name}): {x.reason}" for x in self.causes
+            )
+        followers = [
+            x
+            for x in self.failing_layers
+            if not x.breaks_equivalence and x.reason != _UNEXPLAINED
+        ]
+        if followers:
+            names = ", ".join(x.name for x in followers)
+            lines.append(f"Differ as a consequence: {names}.")
+        lines.extend(
+            f"{x.name} ({x.class_name}): {x.reason}"
+            for x in self.failing_layers
+            if x.reason == _UNEXPLAINED
+        )
+        lines.extend(self.notes)
+        verdict = "OK" if self.ok else "FAIL"
+        lines.append(
+            f"{verdict}: max |w_accumulated - w_big_batch| = "
+            f"{self.max_abs_diff:.2e}, training moved the weights by up to "
+            f"{self.moved:.2e}."
+        )
+        return "\n".join(lines)
+
+
+def _mark(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+@dataclass(frozen=True)
+class Keras:
+    """What ``verify`` needs of one Keras."""
+
+    package: str  # its top-level package, in messages
+    model: type  # its Model: Model(inputs, outputs) rebuilds a model's graph
+    wrapper: type  # its GradientAccumulateModel
+    optimizers: tuple[type, ...]  # its optimizer classes
+    accumulating_optimizer: type  # its GradientAccumulateOptimizer
+    input_layer: type
+    batch_norms: tuple[type, ...]  # its BatchNormalization classes
+    accum_batch_norm: type
+    set_random_seed: Callable[[int], None]
+    new_optimizer: Callable[[Any], Any]  # a fresh optimizer from a name or one
+    sublayers: Callable[[Any], list]  # a layer and every layer nested in it
+    draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
+    variable_name: Callable[[Any], str]  # a variable's name in its layer
+
+
+@dataclass(frozen=True)
+class Options:
+    """The checked keyword arguments of ``verify``, with their defaults."""
+
+    micro_batch_size: int = 8
+    accum_steps: int = 4
+    optimizer: Any = None
+    loss: Any = None
+    steps: int = 3
+    tolerance: float = 1e-4
+    seed: int = 0
+
+    def __post_init__(self):
+        set_checked = functools.partial(object.__setattr__, self)
+        for name in ("micro_batch_size", "accum_steps", "steps"):
+            set_checked(name, check_accum_steps(getattr(self, name), name))
+        set_checked("tolerance", check_positive_float("tolerance", self.tolerance))
+        seed = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"`seed` must be an integer. Received: seed={seed!r}.")
+
+
+def run(
+    keras: Keras, model_fn: Callable[[], Any], x: Any, y: Any, options: dict
+) -> VerifyReport:
+    """``verify(model_fn, x, y, **options)`` for ``keras``: see the Keras 3
+    ``verify`` module."""
+    if not callable(model_fn):
+        raise TypeError(
+            f"`model_fn` must be a callable that returns a new {keras.package}."
+            f"Model. Received: model_fn={model_fn!r}."
+        )
+    unknown = sorted(set(options) - {f.name for f in fields(Options)})
+    if unknown:
+        raise TypeError(
+            f"verify() got unexpected keyword argument(s) {unknown}. Its "
+            f"options: {', '.join(f.name for f in fields(Options))}."
+        )
+    checked = Options(**options)
+    big = checked.micro_batch_size * checked.accum_steps
+    needed = big * checked.steps
+    x = _take(x, "x", needed)
+    y = _take(y, "y", needed)
+
+    keras.set_random_seed(int(checked.seed))
+    source = _build(keras, model_fn)
+    optimizer = _optimizer_spec(keras, checked.optimizer, source)
+    loss = _loss_spec(checked.loss, source)
+    # Both runs are plain functional models over the same graph, so their
+    # layers line up one to one (a Sequential model hides its InputLayer; a
+    # GradientAccumulateModel from model_fn would accumulate in the reference).
+    reference = keras.model(source.inputs, source.outputs)
+    keras.set_random_seed(int(checked.seed))
+    template = _build(keras, model_fn)
+    accumulated = keras.wrapper(
+        accum_steps=checked.accum_steps,
+        inputs=template.inputs,
+        outputs=template.outputs,
+    )
+    _check_same_architecture(reference, accumulated)
+    for src, dst in zip(reference.layers, accumulated.layers):
+        dst.set_weights(src.get_weights())
+
+    initial = [[np.array(w) for w in layer.get_weights()] for layer in reference.layers]
+    reference.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
+    accumulated.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
+    reference.fit(x, y, batch_size=big, epochs=1, shuffle=False, verbose=0)
+    accumulated.fit(
+        x, y, batch_size=checked.micro_batch_size, epochs=1, shuffle=False, verbose=0
+    )
+    return _report(keras, reference, accumulated, initial, checked)
+
+
+# ------------------------------------------------------------------ helpers
+def _take(data: Any, name: str, needed: int) -> Any:
+    """The first ``needed`` samples of every array in ``data``."""
+    leaves = tf.nest.flatten(data)
+    if not leaves:
+        raise ValueError(f"`{name}` holds no arrays. Received: {name}={data!r}.")
+    try:
+        arrays = [np.asarray(a) for a in leaves]
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"`{name}` must be an array or a list/dict of arrays: {e}"
+        ) from None
+    sizes = {a.shape[0] if a.ndim else 0 for a in arrays}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"`{name}`: all arrays must have the same number of samples. "
+            f"Received sizes {sorted(sizes)}."
+        )
+    (size,) = sizes
+    if size < needed:
+        raise ValueError(
+            f"`{name}` has {size} samples; micro_batch_size * accum_steps * "
+            f"steps = {needed} are needed."
+        )
+    return tf.nest.pack_sequence_as(data, [a[:needed] for a in arrays])
+
+
+def _build(keras: Keras, model_fn: Callable[[], Any]) -> Any:
+    model = model_fn()
+    if not isinstance(model, keras.model):
+        raise TypeError(
+            f"`model_fn` must return a {keras.package}.Model. Received: "
+            f"{type(model).__name__}."
+        )
+    if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
+        raise ValueError(
+            "`model_fn` must return a functional or Sequential model with "
+            f"symbolic inputs (built from {keras.package}.Input): verify "
+            "rebuilds it as GradientAccumulateModel(inputs=model.inputs, "
+            "outputs=model.outputs). Subclassed models have none."
+        )
+    return model
+
+
+def _optimizer_spec(keras: Keras, optimizer: Any, model: Any) -> Any:
+    if optimizer is None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            return "sgd"
+        if isinstance(optimizer, keras.accumulating_optimizer):
+            return optimizer.inner_optimizer
+    if isinstance(optimizer, keras.accumulating_optimizer):
+        raise TypeError(
+            "`optimizer` must be the optimizer without accumulation: verify "
+            "compares it with and without GradientAccumulateModel. Received: "
+            f"optimizer={optimizer!r}."
+        )
+    if isinstance(optimizer, (str, *keras.optimizers)):
+        return optimizer
+    raise TypeError(
+        "`optimizer` must be a Keras optimizer name or instance. "
+        f"Received: optimizer={optimizer!r}."
+    )
+
+
+def _loss_spec(loss: Any, model: Any) -> Any:
+    if loss is None:
+        loss = getattr(model, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "`loss` is required when `model_fn` returns an uncompiled "
+                "model. Received: loss=None."
+            )
+    return loss
+
+
+def _check_same_architecture(a: Any, b: Any) -> None:
+    shapes_a = [[tuple(w.shape) for w in x.weights] for x in a.layers]
+    shapes_b = [[tuple(w.shape) for w in x.weights] for x in b.layers]
+    if shapes_a != shapes_b:
+        raise ValueError(
+            "`model_fn` must build the same architecture on every call: the "
+            "two models it returned have different layers or weight shapes."
+        )
+
+
+def _own_causes(
+    keras: Keras, layer: Any, stateful: set[int], accum_steps: int
+) -> list[str]:
+    """Reasons why ``layer`` (or a layer nested in it) cannot match."""
+    causes = []
+    for sub in keras.sublayers(layer):
+        prefix = "" if sub is layer else f"nested {sub.name} ({type(sub).__name__}): "
+        if isinstance(sub, keras.accum_batch_norm):
+            causes.append(prefix + _ACCUM_BATCH_NORM)
+        elif isinstance(sub, keras.batch_norms):
+            causes.append(prefix + _BATCH_NORM)
+        elif keras.draws_random(sub):
+            causes.append(prefix + _RANDOM.format(k=accum_steps))
+        elif any(id(w) in stateful for w in sub.non_trainable_weights):
+            causes.append(prefix + _STATEFUL.format(k=accum_steps))
+    return causes
+
+
+def _report(
+    keras: Keras,
+    reference: Any,
+    accumulated: Any,
+    initial: Sequence[Sequence[np.ndarray]],
+    options: Options,
+) -> VerifyReport:
+    tolerance, accum_steps = options.tolerance, options.accum_steps
+    stateful = set()
+    checks: list[list[VariableCheck]] = []
+    moved = 0.0
+    for layer, other, start in zip(reference.layers, accumulated.layers, initial):
+        variables = []
+        for var, w0, w_acc in zip(layer.weights, start, other.get_weights()):
+            # float64: AccumBatchNormalization also holds a boolean flag.
+            w_big = np.asarray(var, dtype=np.float64)
+            change = _max_abs(w_big - np.asarray(w0, dtype=np.float64))
+            diff = _max_abs(np.asarray(w_acc, dtype=np.float64) - w_big)
+            if var.trainable:
+                moved = max(moved, change)
+            elif change > 0:
+                stateful.add(id(var))
+            variables.append(
+                VariableCheck(
+                    name=keras.variable_name(var),
+                    shape=tuple(var.shape),
+                    trainable=bool(var.trainable),
+                    max_abs_diff=diff,
+                    moved=change,
+                    ok=bool(diff <= tolerance),  # False for NaN
+                )
+            )
+        checks.append(variables)
+
+    differs = any(not v.ok for vs in checks for v in vs)
+    own = [_own_causes(keras, x, stateful, accum_steps) for x in reference.layers]
+    culprits = [layer.name for layer, causes in zip(reference.layers, own) if causes]
+    layers = []
+    for layer, variables, causes in zip(reference.layers, checks, own):
+        if isinstance(layer, keras.input_layer):
+            continue
+        # A layer without variables fails when it explains a failure.
+        ok = all(v.ok for v in variables) if variables else not (differs and causes)
+        if ok:
+            reason = None
+        elif causes:
+            reason = "; ".join(causes)
+        elif culprits:
+            reason = _DOWNSTREAM.format(causes=", ".join(culprits))
+        else:
+            reason = _UNEXPLAINED
+        layers.append(
+            LayerCheck(
+                name=layer.name,
+                class_name=type(layer).__name__,
+                variables=variables,
+                ok=ok,
+                reason=reason,
+                breaks_equivalence=bool(causes) and not ok,
+            )
+        )
+    notes = []
+    if moved <= tolerance:
+        notes.append(
+            f"Training moved no trainable weight by more than the tolerance "
+            f"({moved:.2e} <= {tolerance:g}): the comparison proves nothing; "
+            "raise `steps` or the learning rate."
+        )
+    return VerifyReport(
+        layers=layers,
+        tolerance=tolerance,
+        micro_batch_size=options.micro_batch_size,
+        accum_steps=accum_steps,
+        steps=options.steps,
+        moved=moved,
+        notes=notes,
+    )
+
+
+def _max_abs(a: np.ndarray) -> float:
+    return float(np.max(np.abs(a))) if a.size else 0.0
