@@ -12,7 +12,6 @@ converts a model.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import keras
 import tensorflow as tf
@@ -32,10 +31,8 @@ from gradient_accumulator.batch_statistics import (
 )
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.validation import (
-    check_accum_steps,
+    check_batch_norm_arguments,
     check_bool,
-    check_range,
-    take_no_renorm,
 )
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
@@ -108,18 +105,9 @@ class AccumBatchNormalization(keras.layers.BatchNormalization):
         synchronized: bool = False,
         **kwargs,
     ):
-        if accum_steps is not None:
-            check_accum_steps(accum_steps)
-        take_no_renorm(kwargs)
-        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-            raise TypeError(
-                "`axis` must be an integer (the features axis, e.g. -1 or 1). "
-                f"Received: axis={axis!r}."
-            )
-        check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
-        check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
-        check_bool("center", center)
-        check_bool("scale", scale)
+        check_batch_norm_arguments(
+            accum_steps, axis, momentum, epsilon, center, scale, kwargs
+        )
         check_bool("synchronized", synchronized)
         super().__init__(
             axis=axis,

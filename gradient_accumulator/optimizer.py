@@ -29,15 +29,10 @@ from gradient_accumulator.loss_scale import (
 )
 from gradient_accumulator.validation import (
     check_accum_steps,
-    check_clipping,
     check_single_accumulation,
-    take_05_keywords,
-    warn_unneeded,
+    take_optimizer_arguments,
 )
 from gradient_accumulator.weighting import backward_share, optimizer_weight
-
-_REDUCTIONS = ("MEAN", "SUM")
-_CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -117,29 +112,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         check_accum_steps(accum_steps)
         inner = _resolve_optimizer(optimizer)
         check_single_accumulation(inner, "GradientAccumulateOptimizer")
-        if not isinstance(reduction, str) or reduction.upper() not in _REDUCTIONS:
-            raise ValueError(
-                f"`reduction` must be one of {_REDUCTIONS}. "
-                f"Received: reduction={reduction!r}."
-            )
-        warn_unneeded(
-            "mixed_precision",
-            mixed_precision,
-            False,
-            "loss scaling is detected from the optimizer.",
+        reduction, use_agc = take_optimizer_arguments(
+            inner, reduction, mixed_precision, use_agc, kwargs
         )
-        use_agc = take_05_keywords(kwargs, use_agc, dtype=True)
-        clip_args = {k: kwargs.pop(k) for k in _CLIP_ARGS if k in kwargs}
-        check_clipping(inner, clip_args)
-        if kwargs:
-            raise TypeError(
-                "GradientAccumulateOptimizer got unexpected keyword argument(s) "
-                f"{sorted(kwargs)}. Set learning rate, weight decay and the like "
-                "on the wrapped optimizer."
-            )
-        for key, value in clip_args.items():
-            if value is not None:
-                setattr(inner, key, value)
         accumulator = Accumulator(
             accum_steps,
             track=optimizer_variable_tracker(self),
@@ -151,7 +126,7 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
         )
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = inner
-        self.reduction = reduction.upper()
+        self.reduction = reduction
         self._accumulator = accumulator
         # The LossScaleOptimizer whose scale this optimizer's cycles use (set
         # when a step is traced; see loss_scale.py). A weak reference: the

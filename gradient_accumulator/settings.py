@@ -22,6 +22,8 @@ from gradient_accumulator.validation import (
     check_choice,
     check_engine_settings,
     check_micro_batch_size,
+    take_05_keywords,
+    warn_unneeded,
 )
 
 
@@ -73,3 +75,32 @@ class Settings:
 SAVED = tuple(
     f.name for f in dataclasses.fields(Settings) if f.name != "skip_update_fn"
 )
+
+
+def model_settings(
+    kwargs: dict,
+    mixed_precision: bool = False,
+    experimental_distributed_support: bool = False,
+    **fields,
+) -> Settings:
+    """The checked :class:`Settings` of a model wrapper's constructor
+    arguments (``fields``); takes 0.5.x's ``agc`` out of ``kwargs`` and
+    warns about 0.5.x arguments that are no longer needed."""
+    fields["use_agc"] = take_05_keywords(kwargs, fields.get("use_agc", False))
+    settings = Settings(**fields)
+    # The warnings name the line that built the model (two frames up).
+    warn_unneeded(
+        "mixed_precision",
+        mixed_precision,
+        False,
+        "loss scaling is detected from the optimizer that compile() builds.",
+        stacklevel=4,
+    )
+    warn_unneeded(
+        "experimental_distributed_support",
+        experimental_distributed_support,
+        False,
+        "tf.distribute strategies are always supported.",
+        stacklevel=4,
+    )
+    return settings

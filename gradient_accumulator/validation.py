@@ -64,14 +64,16 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
-def warn_unneeded(name: str, value, default, why: str) -> None:
-    """Accepts a 0.5.x keyword that is no longer needed, warning when set."""
+def warn_unneeded(name: str, value, default, why: str, stacklevel: int = 3) -> None:
+    """Accepts a 0.5.x keyword that is no longer needed, warning when set
+    (``stacklevel``: as ``warnings.warn``'s, counted from the caller's
+    caller)."""
     check_bool(name, value) if isinstance(default, bool) else None
     if value != default:
         warnings.warn(
             f"`{name}` is no longer needed and is ignored: {why}",
             DeprecationWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -233,3 +235,61 @@ def take_no_renorm(kwargs: dict) -> None:
             "AccumBatchNormalization does not support batch renormalisation "
             "(`renorm=True`). Received: renorm=True."
         )
+
+
+REDUCTIONS = ("MEAN", "SUM")
+
+
+def take_optimizer_arguments(
+    inner, reduction, mixed_precision, use_agc, kwargs: dict
+) -> tuple[str, bool]:
+    """Checks an optimizer wrapper's arguments and sets the clipping given to
+    it on ``inner`` (the optimizer it wraps, which clips the accumulated
+    gradient). Returns ``(reduction, use_agc)``; takes 0.5.x's keywords
+    (``agc``, ``dtype``) and the clipping out of ``kwargs``, and refuses any
+    other keyword."""
+    if not isinstance(reduction, str) or reduction.upper() not in REDUCTIONS:
+        raise ValueError(
+            f"`reduction` must be one of {REDUCTIONS}. "
+            f"Received: reduction={reduction!r}."
+        )
+    # The warning names the line that built the wrapper (two frames up).
+    warn_unneeded(
+        "mixed_precision",
+        mixed_precision,
+        False,
+        "loss scaling is detected from the optimizer.",
+        stacklevel=4,
+    )
+    use_agc = take_05_keywords(kwargs, use_agc, dtype=True)
+    clip_args = {k: kwargs.pop(k) for k in CLIP_ARGS if k in kwargs}
+    check_clipping(inner, clip_args)
+    if kwargs:
+        raise TypeError(
+            "GradientAccumulateOptimizer got unexpected keyword argument(s) "
+            f"{sorted(kwargs)}. Set learning rate, weight decay and the like "
+            "on the wrapped optimizer."
+        )
+    for key, value in clip_args.items():
+        if value is not None:
+            setattr(inner, key, value)
+    return reduction.upper(), use_agc
+
+
+def check_batch_norm_arguments(
+    accum_steps, axis, momentum, epsilon, center, scale, kwargs: dict
+) -> None:
+    """Checks an ``AccumBatchNormalization``'s own arguments (either
+    Keras'); takes the batch-renormalisation keywords out of ``kwargs``."""
+    if accum_steps is not None:
+        check_accum_steps(accum_steps)
+    take_no_renorm(kwargs)
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(
+            "`axis` must be an integer (the features axis, e.g. -1 or 1). "
+            f"Received: axis={axis!r}."
+        )
+    check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
+    check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
+    check_bool("center", center)
+    check_bool("scale", scale)

@@ -3,8 +3,6 @@ statistics are those of the big batch (see the Keras 3 layer)."""
 
 from __future__ import annotations
 
-import numbers
-
 import tensorflow as tf
 import tf_keras
 
@@ -15,10 +13,7 @@ from gradient_accumulator.batch_statistics import (
 )
 from gradient_accumulator.engine import Binding, Engine
 from gradient_accumulator.validation import (
-    check_accum_steps,
-    check_bool,
-    check_range,
-    take_no_renorm,
+    check_batch_norm_arguments,
 )
 
 
@@ -95,9 +90,11 @@ class AccumBatchNormalization(tf_keras.layers.BatchNormalization):
         gamma_constraint=None,
         **kwargs,
     ):
-        if accum_steps is not None:
-            check_accum_steps(accum_steps)
-        take_no_renorm(kwargs)
+        if isinstance(axis, list | tuple) and len(axis) == 1:
+            axis = axis[0]  # a built tf-keras BatchNormalization's config
+        check_batch_norm_arguments(
+            accum_steps, axis, momentum, epsilon, center, scale, kwargs
+        )
         if kwargs.pop("synchronized", False):
             raise ValueError(
                 "The tf-keras AccumBatchNormalization does not support "
@@ -108,15 +105,6 @@ class AccumBatchNormalization(tf_keras.layers.BatchNormalization):
         self._fused_default = kwargs.pop("fused", None) is not False
         for unsupported in ("virtual_batch_size", "adjustment"):
             kwargs.pop(unsupported, None)
-        if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
-            raise TypeError(
-                "`axis` must be an integer (the features axis, e.g. -1 or 1). "
-                f"Received: axis={axis!r}."
-            )
-        check_range("momentum", momentum, "a number in [0, 1]", 0.0, 1.0)
-        check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
-        check_bool("center", center)
-        check_bool("scale", scale)
         super().__init__(
             axis=axis,
             momentum=momentum,

@@ -26,11 +26,9 @@ from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
-from gradient_accumulator.settings import Settings
+from gradient_accumulator.settings import Settings, model_settings
 from gradient_accumulator.validation import (
     check_single_accumulation,
-    take_05_keywords,
-    warn_unneeded,
 )
 from gradient_accumulator.weighting import (
     backward_share,
@@ -89,8 +87,10 @@ class GradientAccumulateModel(tf_keras.Model):
             # (inputs, outputs) given positionally, as tf-keras' own code may.
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
-        use_agc = take_05_keywords(kwargs, use_agc)
-        settings = Settings(
+        settings = model_settings(
+            kwargs,
+            mixed_precision,
+            experimental_distributed_support,
             accum_steps=accum_steps,
             use_agc=use_agc,
             clip_factor=clip_factor,
@@ -99,18 +99,6 @@ class GradientAccumulateModel(tf_keras.Model):
             flush_at_end=flush_at_end,
             skip_update_fn=skip_update_fn,
             progress_logs=progress_logs,
-        )
-        warn_unneeded(
-            "mixed_precision",
-            mixed_precision,
-            False,
-            "loss scaling is detected from the optimizer that compile() builds.",
-        )
-        warn_unneeded(
-            "experimental_distributed_support",
-            experimental_distributed_support,
-            False,
-            "tf.distribute strategies are always supported.",
         )
         if _functional_arguments(args, kwargs):
             construct(

@@ -23,13 +23,9 @@ from gradient_accumulator.keras2.optimizers import (
 )
 from gradient_accumulator.validation import (
     check_accum_steps,
-    take_05_keywords,
-    warn_unneeded,
+    take_optimizer_arguments,
 )
 from gradient_accumulator.weighting import optimizer_weight
-
-_REDUCTIONS = ("MEAN", "SUM")
-_CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -84,28 +80,9 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
     ):
         check_accum_steps(accum_steps)
         inner = _resolve_optimizer(optimizer)
-        if not isinstance(reduction, str) or reduction.upper() not in _REDUCTIONS:
-            raise ValueError(
-                f"`reduction` must be one of {_REDUCTIONS}. "
-                f"Received: reduction={reduction!r}."
-            )
-        warn_unneeded(
-            "mixed_precision",
-            mixed_precision,
-            False,
-            "loss scaling is detected from the optimizer.",
+        reduction, use_agc = take_optimizer_arguments(
+            inner, reduction, mixed_precision, use_agc, kwargs
         )
-        use_agc = take_05_keywords(kwargs, use_agc, dtype=True)
-        clip_args = {k: kwargs.pop(k) for k in _CLIP_ARGS if k in kwargs}
-        if kwargs:
-            raise TypeError(
-                "GradientAccumulateOptimizer got unexpected keyword argument(s) "
-                f"{sorted(kwargs)}. Set learning rate, weight decay and the like "
-                "on the wrapped optimizer."
-            )
-        for key, value in clip_args.items():
-            if value is not None:
-                setattr(inner, key, value)
         accumulator = Engine(
             accum_steps,
             name="accumulator",
@@ -116,7 +93,7 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         )
         super().__init__(name=name)
         self.inner_optimizer = inner
-        self.reduction = reduction.upper()
+        self.reduction = reduction
         self._accumulator = accumulator
         # The strategy the optimizer was made under: the engine's variables
         # are made in it, as the wrapped optimizer's are.
@@ -234,19 +211,7 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         already summed over replicas (``skip_gradients_aggregation=True``, or
         the legacy ``experimental_aggregate_gradients=False``) are counted
         once."""
-        pairs = list(grads_and_vars)
-        grads = [g for g, _ in pairs]
-        variables = [v for _, v in pairs]
-        if not getattr(self, "_built", False):
-            with tf.init_scope():
-                self.build(variables)
-        reduced = skip_gradients_aggregation or not kwargs.pop(
-            "experimental_aggregate_gradients", True
-        )
-        if self._accumulator.plain() and not reduced:
-            return self.inner_optimizer.apply_gradients(pairs, name=name, **kwargs)
-        self._accumulate(grads, variables, reduced)
-        return self.iterations
+        return self._apply(grads_and_vars, skip_gradients_aggregation, kwargs, name)
 
     def _apply_with_loss_scaler(
         self, scaler, grads_and_vars, skip_gradients_aggregation=False, **kwargs
@@ -254,14 +219,21 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
         """``scaler.apply_gradients`` for a LossScaleOptimizer wrapping this
         one (see ``keras2.loss_scale``): unscaled gradients of one call,
         which this cycle checks and counts once, with ``scaler``'s scale."""
+        return self._apply(
+            grads_and_vars, skip_gradients_aggregation, kwargs, scaler=scaler
+        )
+
+    def _apply(self, grads_and_vars, skip_aggregation, kwargs, name=None, scaler=None):
         pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
         if not getattr(self, "_built", False):
             with tf.init_scope():
                 self.build(variables)
-        reduced = skip_gradients_aggregation or not kwargs.pop(
+        reduced = skip_aggregation or not kwargs.pop(
             "experimental_aggregate_gradients", True
         )
+        if scaler is None and self._accumulator.plain() and not reduced:
+            return self.inner_optimizer.apply_gradients(pairs, name=name, **kwargs)
         self._accumulate([g for g, _ in pairs], variables, reduced, scaler)
         return self.iterations
 
