@@ -129,3 +129,61 @@ def test_keras_file_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
     assert loaded.optimizer.iterations.numpy() == 2
     for got, want in zip(loaded.get_weights(), straight.get_weights()):
         np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _InterruptAt(tf_keras.callbacks.Callback):
+    """Raises at the end of a given batch of a given epoch."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch = epoch, batch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.current, batch) == (self.epoch, self.batch):
+            raise _Interrupt
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
+def test_backup_and_restore_resumes_a_partial_cycle(wrapper, tmp_path):
+    """40 samples, micro-batches of 8, cycles of 4: each epoch ends mid-cycle.
+    Interrupted in epoch 3, a fresh model resumes from the end-of-epoch-2
+    backup, a cycle half done, and reaches the uninterrupted weights."""
+    x, y = _data()
+    x, y = x[:40], y[:40]
+
+    def fit(model, epochs, *callbacks):
+        model.fit(
+            x,
+            y,
+            batch_size=MICRO,
+            epochs=epochs,
+            shuffle=False,
+            verbose=0,
+            callbacks=list(callbacks),
+        )
+
+    straight = _model(wrapper)
+    fit(straight, 4)
+    backup = str(tmp_path / "backup")
+    interrupted = _model(wrapper)
+    with pytest.raises(_Interrupt):
+        fit(
+            interrupted,
+            4,
+            tf_keras.callbacks.BackupAndRestore(backup),
+            _InterruptAt(epoch=2, batch=1),
+        )
+    resumed = _model(wrapper)
+    # Other initial weights: the backup must restore them all.
+    resumed.set_weights([w + 0.5 for w in resumed.get_weights()])
+    fit(resumed, 4, tf_keras.callbacks.BackupAndRestore(backup))
+    assert resumed.optimizer.iterations.numpy() == straight.optimizer.iterations.numpy()
+    for got, want in zip(resumed.get_weights(), straight.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
