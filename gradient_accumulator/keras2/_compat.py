@@ -62,7 +62,9 @@ def wrapping_loss_scaler(inner):
     is called from one of that scaler's methods (its ``build``, or
     ``minimize`` asking for gradients); else None."""
     frame = sys._getframe(1)
-    for _ in range(4):
+    # Autograph (tf-keras 2.16 converts these calls) puts a frame of its own
+    # between each pair of methods.
+    for _ in range(8):
         if frame is None:
             return None
         candidate = frame.f_locals.get("self")
