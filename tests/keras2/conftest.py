@@ -34,9 +34,12 @@ def _fresh_tf_keras_state():
 
 @pytest.fixture(scope="session")
 def mirrored():
-    """One MirroredStrategy over the two logical CPUs for the whole session:
-    each instance numbers its collective all-reduces from the same start, so
-    a second one in the same process collides with the first's."""
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """One MirroredStrategy over the two logical CPUs for the whole session,
+    reducing without collective ops: collective strategies number their
+    all-reduces from the same start, so one made here would collide with any
+    other in the process (the ported 0.5.x tests make their own)."""
+    strategy = tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
+    )
     assert strategy.num_replicas_in_sync == 2
     return strategy
