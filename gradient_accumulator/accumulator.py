@@ -74,6 +74,9 @@ class Accumulator(Engine, KerasSaveable):
             self._track(variable)
         return variable
 
+    def _new_part(self, name: str) -> Accumulator:
+        return Accumulator(self.initial_accum_steps, track=self._track, name=name)
+
     # ----------------------------------------------------------- Keras saving
     def _obj_type(self) -> str:
         # Keras' saving walks a saveable's attributes (minus a layer's) for
@@ -84,11 +87,12 @@ class Accumulator(Engine, KerasSaveable):
         # The state has no child saveables, and Keras' saving evaluates every
         # attribute it lists: properties would read variables, and `clock`
         # (this accumulator or its leader) would send it round in circles.
+        # The parts' state is this accumulator's own (under "part<i>:" keys).
         cls = type(self)
         return [
             n
             for n in super().__dir__()
-            if not isinstance(getattr(cls, n, None), property)
+            if n != "_parts" and not isinstance(getattr(cls, n, None), property)
         ]
 
     def save_own_variables(self, store) -> None:

@@ -133,3 +133,30 @@ def plus(total: tf.Tensor | None, grad, weight, maximum: bool = False) -> tf.Ten
         indices = tf.expand_dims(grad.indices, -1)
         return tf.tensor_scatter_nd_add(total, indices, grad.values)
     return grad if total is None else total + grad
+
+
+def minus(total, grad):
+    """``total - grad`` for gradients of one variable (None: nothing), an
+    ``IndexedSlices`` kept sparse (rows of ``grad`` added negated)."""
+    if grad is None:
+        return total
+    if total is None:
+        return _weighted(grad, -1.0)
+    if sparse(total) or sparse(grad):
+        a, b = (_as_slices(t) for t in (total, grad))
+        return tf.IndexedSlices(
+            tf.concat([a.values, -b.values], 0),
+            tf.concat([tf.cast(t.indices, tf.int64) for t in (a, b)], 0),
+            a.dense_shape,
+        )
+    return total - grad
+
+
+def _as_slices(grad) -> tf.IndexedSlices:
+    if sparse(grad):
+        return tf.IndexedSlices(
+            tf.cast(grad.values, tf.float32), grad.indices, grad.dense_shape
+        )
+    grad = tf.cast(grad, tf.float32)
+    rows = tf.shape(grad, out_type=tf.int64)[0]
+    return tf.IndexedSlices(grad, tf.range(rows), tf.shape(grad, out_type=tf.int64))

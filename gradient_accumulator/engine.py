@@ -69,6 +69,11 @@ def _nothing() -> None:
     return None
 
 
+def _ignore(grads) -> None:
+    # A part's mean joins its leader's gradient; it applies nothing itself.
+    return None
+
+
 def _name_of(variable) -> str:
     # Raw tf.Variables have no Keras path.
     name = getattr(variable, "path", None) or variable.name.split(":")[0]
@@ -101,6 +106,9 @@ class _Wiring:
         self.present: dict[int, bool] = {}
         self.binding: Binding | None = None
         self.flush_fns: dict = {}
+        # A part of its leader (see Engine.part): its mean joins the
+        # leader's gradient instead of being applied on its own.
+        self.joins = False
 
 
 @dataclass
@@ -170,6 +178,9 @@ class Engine(tf.Module):
         )
         self._prefix = name
         self._wiring = _Wiring()
+        # Extra denominators' accumulators (see part()): tracked, so that a
+        # checkpoint holds their sums with the rest of the state.
+        self._parts: list[Engine] = []
         self.built = False
 
     # ------------------------------------------------------------------ state
@@ -222,6 +233,8 @@ class Engine(tf.Module):
         first = {"aggregation": "only_first_replica"}
         if self.built:
             self._restart_eagerly()
+            # The host asks for its parts again, for the new variables.
+            self._drop_parts()
         else:
             steps = self._initial_accum_steps
             self.micro_step = self._new_variable("micro_step", (), "int64", **first)
@@ -271,6 +284,11 @@ class Engine(tf.Module):
                 for name, attribute in saved_state.COUNTERS
             ),
             *zip(self._wiring.paths, self.grad_sums),
+            *(
+                (saved_state.part_key(index, key), variable)
+                for index, part in enumerate(self._parts, start=1)
+                for key, variable in part.state_items()
+            ),
         ]
 
     @property
@@ -340,13 +358,14 @@ class Engine(tf.Module):
                 "Build the accumulator (`build(variables)`) before loading "
                 "its state: the file's sums are matched to those variables."
             )
+        store, parts = saved_state.split_parts(store)
         buffers = dict(zip(self._wiring.paths, self.grad_sums))
         sums, counters, dropped = saved_state.read(
             store, {key: b.shape for key, b in buffers.items()}
         )
         for attribute, value in counters.items():
             getattr(self, attribute).assign(value)
-        if sums is not None:
+        if sums is not None and self._load_parts(parts):
             for key, buffer in buffers.items():
                 buffer.assign(sums[key])
             return
@@ -361,6 +380,25 @@ class Engine(tf.Module):
                 stacklevel=2,
             )
 
+    def _load_parts(self, parts: dict) -> bool:
+        """Builds and loads the parts a file holds (``{index: store}``);
+        False if their sums are not of this host's variables."""
+        if not parts:
+            return True
+        binding = self._wiring.binding
+        if binding is None:
+            return False
+        variables = list(binding.variables())
+        names = binding.names if binding.names else saved_state.paths
+        by_key = dict(zip(saved_state.sum_keys(names(variables)), variables))
+        for index in sorted(parts):
+            store = parts[index]
+            if index != len(self._parts) + 1 or not set(store) & set(by_key):
+                return False
+            part = self.part(index, [v for k, v in by_key.items() if k in store])
+            part.load_state(store)
+        return True
+
     def _restart_eagerly(self) -> None:
         """An empty cycle at a cycle boundary, in the state variables."""
         self.micro_step.assign(0)
@@ -368,6 +406,8 @@ class Engine(tf.Module):
         self.weight_sum.assign(0.0)
         self.sample_sum.assign(0.0)
         self.empty.assign(True)
+        for part in self._parts:
+            part._restart_eagerly()
 
     @property
     def initial_accum_steps(self) -> int:
@@ -407,6 +447,80 @@ class Engine(tf.Module):
         """Forgets everything traced (the host was compiled again)."""
         self._wiring.flush_fns.clear()
         self._wiring.pending = None
+
+    def part(self, index: int, variables: Sequence) -> Engine:
+        """The accumulator of this one's ``index``-th extra denominator
+        (1, 2, ...), built for ``variables`` (those its loss terms reach).
+
+        A loss whose terms the big batch divides by different totals (tokens
+        and sequences, positives and anchors) is exact only if each term's
+        gradients are summed apart and divided by their own total at the
+        cycle's end. A part holds one such sum and its total; at the end of
+        the cycle its mean is added to this accumulator's before anything
+        else (AGC, ``skip_update_fn``, the finite check, the apply) sees it,
+        in the same all-reduce. Hosts :meth:`add` to it and end its micro-step
+        with :meth:`end_micro_step` before this accumulator's own.
+        Made on first use (eagerly, also from a traced step).
+        """
+        if index < 1 or index > len(self._parts) + 1:
+            raise ValueError(
+                f"part index must be between 1 and {len(self._parts) + 1}, "
+                f"got {index!r}."
+            )
+        variables = [v for v in variables if not arithmetic.overwritten(v)]
+        with tf.init_scope():
+            if index > len(self._parts):
+                part = self._new_part(f"{self._prefix}_part{index}")
+                part._wiring.joins = True
+                part.follow(self)
+                self._parts.append(part)
+                # A cycle ended outside the step must now end the part's too.
+                self._wiring.flush_fns.clear()
+            part = self._parts[index - 1]
+            # Named as the leader names its sums, so that a file's parts
+            # match another instance of the host.
+            names = self._wiring.binding.names if self._wiring.binding else None
+            part.bind(
+                Binding(
+                    variables=lambda: variables,
+                    apply_fn=lambda: _ignore,
+                    names=names,
+                )
+            )
+            part.build(variables)
+        return part
+
+    def add_part(
+        self, index: int, grads: Sequence, variables: Sequence, weight=None, count=None
+    ) -> None:
+        """Adds one micro-batch (or slice) of the ``index``-th extra
+        denominator's gradients to its :meth:`part` (replica context, no
+        communication); this accumulator's next :meth:`end_micro_step`
+        takes it into the cycle. ``weight``, ``count``: see :meth:`add`."""
+        pairs = [
+            (g, v)
+            for g, v in zip(grads, variables)
+            if g is not None and not arithmetic.overwritten(v)
+        ]
+        reached = [v for _, v in pairs]
+        part = self.part(index, reached)
+        present = part.add([g for g, _ in pairs], reached, weight, count)
+        part.end_micro_step(reached, present, _ignore)
+
+    @property
+    def parts(self) -> tuple[Engine, ...]:
+        """The extra denominators' accumulators made so far (see :meth:`part`)."""
+        return tuple(self._parts)
+
+    def _new_part(self, name: str) -> Engine:
+        """A new, unbuilt accumulator of this one's kind, for :meth:`part`
+        (hosts that make their own variables override this)."""
+        return Engine(self._initial_accum_steps, name=name)
+
+    def _drop_parts(self) -> None:
+        for part in self._parts:
+            part.unfollow()
+        self._parts = []
 
     def follow(self, leader: Engine) -> None:
         """Lets ``leader`` decide, reduce and apply this accumulator's cycles."""
@@ -666,9 +780,10 @@ class Engine(tf.Module):
         else:
             total = None
             sums = [_read(g, last if i == 0 else None) for i, g in enumerate(groups)]
+        applied, sums = _join_parts(groups, sums)
         grads, weight_sum, samples = sums[0]
         inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
-        maxima = [arithmetic.overwritten(v) for v in groups[0].variables]
+        maxima = [arithmetic.overwritten(v) for v in applied[0].variables]
         # The leader's norm and every group's finite check in one pass (the
         # norm is of trained variables' gradients only).
         leader = arithmetic.squared_norm(
@@ -679,14 +794,15 @@ class Engine(tf.Module):
         squares = leader + arithmetic.squared_norm([weight_sum, *others])
         ok = tf.math.is_finite(squares)
         if self.skip_update_fn is not None:
-            mean = arithmetic.divide(grads, groups[0].variables, inverse)
-            skip = tf.cast(self.skip_update_fn(mean, groups[0].variables), tf.bool)
+            mean = arithmetic.divide(grads, applied[0].variables, inverse)
+            skip = tf.cast(self.skip_update_fn(mean, applied[0].variables), tf.bool)
             ok = tf.logical_and(ok, tf.logical_not(tf.reshape(skip, [])))
 
         def apply():
-            strategy.extended.call_for_each_replica(
-                _apply_groups, args=(groups, total, None if replicated else sums)
-            )
+            # Replicas unpack the all-reduced total by every group, parts
+            # included; without one the joined sums are already at hand.
+            args = (groups, total, None) if replicated else (applied, None, sums)
+            strategy.extended.call_for_each_replica(_apply_groups, args=args)
             self.last_grad_norm.assign(tf.sqrt(leader) * inverse)
             self.last_batch.assign(samples)
             on_apply()
@@ -886,8 +1002,9 @@ def _read(group: _Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
 
 
 def _apply_groups(groups: list[_Group], total, sums) -> None:
-    items = sums if total is None else _unpack(total, groups)
-    for index, (group, (grads, weight_sum, _)) in enumerate(zip(groups, items)):
+    if total is not None:
+        groups, sums = _join_parts(groups, list(_unpack(total, groups)))
+    for index, (group, (grads, weight_sum, _)) in enumerate(zip(groups, sums)):
         mean = group.accumulator._mean(grads, weight_sum, group)
         if index == 0:
             group.apply_fn(mean)
@@ -896,6 +1013,36 @@ def _apply_groups(groups: list[_Group], total, sums) -> None:
             # layer went unused) keeps its state rather than applying zeros.
             apply = functools.partial(_call, group.apply_fn, mean)
             tf.cond(weight_sum > 0, apply, _nothing)
+
+
+def _join_parts(groups: list[_Group], sums: list) -> tuple[list, list]:
+    """``groups`` and their ``(sums, weight_sum, samples)`` with every part
+    (see :meth:`Engine.part`) folded into the leader's: the leader's entry
+    becomes the sum of the means, with weight sum 1. Without parts, as given."""
+    joined = [i for i, g in enumerate(groups) if g.accumulator._wiring.joins]
+    if not joined:
+        return groups, sums
+    leader, (grads, weight_sum, samples) = groups[0], sums[0]
+    mean = arithmetic.divide(
+        grads, leader.variables, tf.math.divide_no_nan(1.0, weight_sum)
+    )
+    index = {arithmetic.var_key(v): i for i, v in enumerate(leader.variables)}
+    for i in joined:
+        part_sums, part_weight, _ = sums[i]
+        # A total of 0 (every entry of the cycle masked) contributes
+        # nothing, as the big batch's divide-no-NaN reduction does.
+        inverse = tf.math.divide_no_nan(1.0, part_weight)
+        for variable, part_sum in zip(groups[i].variables, part_sums):
+            if part_sum is None:
+                continue
+            at = index[arithmetic.var_key(variable)]
+            term = part_sum * inverse
+            mean[at] = term if mean[at] is None else mean[at] + term
+    kept = [i for i in range(1, len(groups)) if i not in joined]
+    return (
+        [leader, *(groups[i] for i in kept)],
+        [(mean, tf.constant(1.0), samples), *(sums[i] for i in kept)],
+    )
 
 
 def _reset(groups: list[_Group]) -> None:

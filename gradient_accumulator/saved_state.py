@@ -24,6 +24,9 @@ CYCLE_STATE = frozenset(name for name, _ in COUNTERS)
 # What a file for other variables still gives: the schedule and the logs.
 SETTINGS_STATE = frozenset(("next_accum_steps", "last_grad_norm", "last_batch"))
 _SUM_PREFIX = "grad_sum:"
+# A part's entries (an extra denominator's sums, see Engine.part): its own
+# keys behind "part<index>:".
+_PART_KEY = re.compile(r"part(\d+):(.*)")
 _LEGACY_SUM = re.compile(r"grad_sum_(\d+)")
 
 
@@ -89,3 +92,22 @@ def read(store, shapes: dict) -> tuple[dict | None, dict, int]:
     }
     pending = int(np.asarray(store["micro_step"])) if "micro_step" in saved else 0
     return (sums if fits else None), counters, 0 if fits else pending
+
+
+def part_key(index: int, key: str) -> str:
+    """The file key of a part's entry ``key``."""
+    return f"part{index}:{key}"
+
+
+def split_parts(store) -> tuple[dict, dict[int, dict]]:
+    """A file's own entries, and its parts' by part index (each with the
+    part's own keys)."""
+    own, parts = {}, {}
+    keys = list(store.keys())  # Keras' H5 stores are not iterable
+    for key in keys:
+        match = _PART_KEY.fullmatch(key)
+        if match is None:
+            own[key] = store[key]
+        else:
+            parts.setdefault(int(match.group(1)), {})[match.group(2)] = store[key]
+    return own, parts
