@@ -35,13 +35,15 @@ from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_h
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
+from gradient_accumulator.split_gradients import split_by_denominator
 from gradient_accumulator.validation import (
     check_single_accumulation,
 )
 from gradient_accumulator.weighting import (
+    at,
     backward_share,
+    denominators,
     loss_share,
-    micro_batch_weight,
     sums_losses,
 )
 
@@ -360,6 +362,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         micro = self._micro_batch_gradients(x, y, sample_weight)
         loss_tracker(self).update_state(micro.loss, sample_weight=micro.samples)
+        self._add_parts(micro)
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             micro.grads,
@@ -373,6 +376,10 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         )
         logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
         return self._with_progress(logs)
+
+    def _add_parts(self, micro: _Micro) -> None:
+        for index, (grads, weight, count) in enumerate(micro.parts, start=1):
+            self._accumulator.add_part(index, grads, micro.variables, weight, count)
 
     def _with_progress(self, logs: dict) -> dict:
         if not self._setup.progress_logs:
@@ -389,11 +396,13 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
 
         Shared by the streaming ``train_step`` (one micro-batch per step) and
         the in-step loop (one per slice). ``opens_step``: for a slice, whether
-        it is its step's first (see :meth:`_micro_batch_weight`);
+        it is its step's first (see :meth:`_denominators`);
         ``step_samples``: for a slice, the samples of its whole step.
         """
         accumulator = self._accumulator
-        with tf.GradientTape() as tape:
+        # Several denominators take more than one backward pass of the tape
+        # (the loss terms are known once the first compute_loss built them).
+        with tf.GradientTape(persistent=len(flat_losses(self)) != 1) as tape:
             y_pred = self(x, training=True) if call_has_training_arg(self) else self(x)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
@@ -417,10 +426,10 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             # summed micro-batch weights itself, so differentiate the per-replica
             # loss as it is.
             loss = unscale_loss_for_distribution(loss)
-            weight, count = self._micro_batch_weight(
-                x, y_pred, sample_weight, opens_step
-            )
-            if self.losses and sums_losses(flat_losses(self)) and loss.shape.rank == 0:
+            terms = flat_losses(self)
+            groups = self._denominators(x, y_pred, sample_weight, opens_step)
+            weight, count = groups[0].weight, groups[0].count
+            if self.losses and groups[0].sums and loss.shape.rank == 0:
                 # A summed loss adds regularisation once per big batch:
                 # only the micro-batch that opens the cycle (count 1) keeps
                 # it (the weights, hence the penalty, are the same all cycle).
@@ -428,17 +437,21 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 penalty = unscale_loss_for_distribution(penalty)
                 loss = loss - (1.0 - tf.cast(count, loss.dtype)) * penalty
             scale = loss_scale(self.optimizer)
-            if _has_overwritten(self):
+            if len(groups) > 1:
+                # Each denominator's weight goes on its own gradients.
+                loss_weight = 1.0 if scale is None else self._share(x, step_samples)
+                unscale = 1.0 if scale is None else 1.0 / (scale * loss_weight)
+            elif _has_overwritten(self):
                 # float8 layers record the backward pass's magnitudes (their
-                # output-gradient amax) as Keras' own accumulation does: from
-                # the micro-batch's own loss, so the weight goes on the
+                # output-gradient amax) as Keras' own accumulation does:
+                # from the micro-batch's own loss, so the weight goes on the
                 # gradients; unscaling there keeps every sum in one unit.
                 loss_weight = 1.0
-                grad_weight = weight if scale is None else weight / scale
+                unscale = weight if scale is None else weight / scale
             elif scale is None:
                 # Weighting the scalar loss rather than the gradients spares
                 # a multiply over every gradient element on every micro-step.
-                loss_weight, grad_weight = tf.stop_gradient(weight), None
+                loss_weight, unscale = tf.stop_gradient(weight), None
             else:
                 # A micro-batch's mean loss gives each of its samples about
                 # accum_steps times the part of the backward pass it has in
@@ -447,12 +460,20 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 # by that factor first. The gradients are unscaled by it and
                 # by the loss scale, so the sums stay in one unit and exactly
                 # weighted whatever the factor. A summed loss needs none.
-                loss_weight = tf.stop_gradient(self._share_of_cycle(x, step_samples))
-                grad_weight = weight / (scale * loss_weight)
+                loss_weight = self._share(x, step_samples)
+                unscale = weight / (scale * loss_weight)
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
-        grads = tape.gradient(objective, variables)
+        parts = []
+        if len(groups) > 1:
+            outputs = [at(y_pred, t.path) for t in terms]
+            grads, parts = split_by_denominator(
+                tape, objective, outputs, groups, variables, unscale
+            )
+            unscale = groups[0].weight * unscale
+        else:
+            grads = tape.gradient(objective, variables)
         return _Micro(
             grads=grads,
             variables=variables,
@@ -461,8 +482,12 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             weight=weight,
             count=count,
             samples=_batch_size(x),
-            grad_weight=grad_weight,
+            grad_weight=unscale,
+            parts=parts,
         )
+
+    def _share(self, x, step_samples=None) -> tf.Tensor:
+        return tf.stop_gradient(self._share_of_cycle(x, step_samples))
 
     def _share_of_cycle(self, x, step_samples=None) -> tf.Tensor:
         """``weighting.backward_share`` of this micro-batch or slice."""
@@ -511,6 +536,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             micro = self._micro_batch_gradients(
                 xs, ys, ws, opens_step=opens_step, step_samples=batch
             )
+            self._add_parts(micro)
             present.append(
                 accumulator.add(
                     micro.grads,
@@ -556,7 +582,10 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             start = n // size * size
             return run_slice(start, n - start)
 
-        static = tf.get_static_value(batch)
+        # A batch of known size takes no cond: traced with the static size,
+        # an empty remainder slice would be a loss of shape (0,) that Keras
+        # leaves unreduced, and adding a regularisation penalty to it fails.
+        static = _first(x).shape[0]
         if static is None:
             loss, share = tf.cond(batch > full * size, remainder, lambda: (zero, zero))
         elif static % size:
@@ -590,19 +619,22 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             if isinstance(layer, AccumBatchNormalization):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
-    def _micro_batch_weight(self, x, y_pred, sample_weight, opens_step=None):
-        """``(weight, count)`` of a micro-batch (see
-        ``weighting.micro_batch_weight``). A micro-batch opens its cycle if
-        the cycle is still empty and, for an in-step slice, if it is its
-        step's first (``opens_step``, a bool tensor): later slices of the
-        step do not advance the counter."""
-        terms = flat_losses(self)
-        opens = None
-        if sums_losses(terms):  # only a summed loss needs to know
+    def _denominators(self, x, y_pred, sample_weight, opens_step=None):
+        """The micro-batch's loss terms by denominator, with its weight and
+        count in each (see ``weighting.denominators``). A micro-batch opens
+        its cycle if the cycle is still empty and, for an in-step slice, if
+        it is its step's first (``opens_step``, a bool tensor): later slices
+        of the step do not advance the counter."""
+
+        def opens():
             opens = self._accumulator.opens_cycle()
             if opens_step is not None:
                 opens = tf.logical_and(opens, opens_step)
-        return micro_batch_weight(terms, y_pred, sample_weight, _batch_size(x), opens)
+            return opens
+
+        return denominators(
+            flat_losses(self), y_pred, sample_weight, _batch_size(x), opens
+        )
 
 
 class _PartialCycles(PartialCycles, keras.callbacks.Callback):
@@ -681,7 +713,9 @@ class _Micro(NamedTuple):
     weight: tf.Tensor  # folded into the differentiated loss
     count: tf.Tensor  # its share of the denominator
     samples: tf.Tensor
-    grad_weight: tf.Tensor | None  # 1 / loss scale, or None
+    grad_weight: tf.Tensor | None  # what the engine weighs grads by, or None
+    # Each extra denominator's (grads, weight, count), see Engine.part.
+    parts: list
 
 
 def _slice(tensor, start, length):
@@ -704,9 +738,12 @@ def _is_tensor_structure(value) -> bool:
     return any(isinstance(t, keras.KerasTensor) for t in keras.tree.flatten(value))
 
 
+def _first(x):
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
 def _batch_size(x):
-    first = next(t for t in tf.nest.flatten(x) if t is not None)
-    return tf.shape(first)[0]
+    return tf.shape(_first(x))[0]
 
 
 def _has_overwritten(model) -> bool:

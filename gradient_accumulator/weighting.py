@@ -12,12 +12,19 @@ big batch's loss by:
 * ``"sum"`` and ``"none"`` do not divide: every micro-batch weighs 1 and the
   cycle's divisor is 1, so only the micro-batch that opens the cycle counts.
 
-:func:`micro_batch_weight` serves the model wrapper (streaming and in-step),
+Terms that divide by different totals (tokens and sequences) form one
+group each: the engine sums each group's gradients apart (``Engine.part``)
+and divides each by its own total over the cycle, which is the big batch's
+gradient, ``sum_j (sum_k S_jk) / (sum_k D_jk)``.
+
+:func:`denominators` serves the model wrappers (streaming and in-step),
 :func:`optimizer_weight` the optimizer wrapper, which sees only gradients.
 A new normalisation is a new branch in :func:`_denominator`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import tensorflow as tf
 
@@ -33,17 +40,17 @@ def _reduction(term):
 def _denominator(term, y_pred, sample_weight, batch):
     """``(key, D)``: the denominator ``D`` Keras divides this loss term by on
     a micro-batch, and a key that is equal for two terms exactly when their
-    denominators are the same quantity up to a constant factor (the engine
-    can then weight micro-batches by either). ``key`` is ``"sum"`` for a
-    term that is not divided, ``"samples"`` for one divided by a multiple of
-    the micro-batch's size, else names the mask and sample-weight tensors
-    the denominator sums."""
+    denominators are the same quantity up to a constant factor (one sum of
+    their gradients can then be weighted by either). ``key`` is ``"sum"``
+    for a term that is not divided, ``"samples"`` for one divided by a
+    multiple of the micro-batch's size, else names the mask and
+    sample-weight tensors the denominator sums."""
     reduction = _reduction(term)
     if reduction in _SUM_REDUCTIONS:
         return "sum", None
-    mask = keras_mask(_at(y_pred, term.path))
+    mask = keras_mask(at(y_pred, term.path))
     weights = (
-        _at(sample_weight, term.path)
+        at(sample_weight, term.path)
         if tf.nest.is_nested(sample_weight)
         else sample_weight
     )
@@ -54,9 +61,7 @@ def _denominator(term, y_pred, sample_weight, batch):
 
         merged = apply_mask(weights, mask, dtype="float32", reduction=reduction)
         total = tf.reduce_sum(tf.cast(merged, tf.float32))
-        # Several terms' weight sums are checked to agree at run time (Keras
-        # gives every output its own copy of one sample_weight array).
-        return ("weights", _ref(mask)), total
+        return ("weights", _ref(mask), _ref(weights)), total
     if mask is not None:
         # Every mean reduction divides by the number of unmasked entries
         # (mean_with_sample_weight without sample weights: the mask's sum).
@@ -65,99 +70,68 @@ def _denominator(term, y_pred, sample_weight, batch):
     return "samples", batch
 
 
-def _same_weight_sums(terms, totals):
-    """The first term's weight sum, after checking that every term's is the
-    same (one sample_weight array for all outputs). A mismatch stops
-    training with an error naming the outputs; where asserts do not run
-    (XLA), it makes the cycle non-finite, so it is skipped, never applied."""
-    first = totals[0]
-    same = tf.reduce_all(tf.stack([tf.equal(t, first) for t in totals[1:]]))
-    names = ", ".join("/".join(map(str, t.path)) or "0" for t in terms)
-    check = tf.debugging.Assert(
-        same,
-        [
-            "GradientAccumulateModel: the outputs "
-            f"{names} use reduction=mean_with_sample_weight with different "
-            "sample weights, so each would need its own divisor; exact "
-            "accumulation needs the same sample weights for every output "
-            "(one sample_weight array)."
-        ],
-    )
-    with tf.control_dependencies([check]):
-        return tf.where(same, first, tf.constant(float("nan")))
-
-
 def _ref(tensor):
     return None if tensor is None else tensor.ref()
 
 
-def _describe(key) -> str:
-    if key == "sum":
-        return "not divided (a sum)"
-    if key == "samples":
-        return "divided by the number of samples"
-    if key[0] == "mask":
-        return "divided by its number of unmasked entries"
-    return "divided by the sum of its sample weights (masked)"
+@dataclass
+class Denominator:
+    """Loss terms the big batch divides by one total, and one micro-batch's
+    ``weight`` (its gradients' factor) and ``count`` (its share of that
+    total); ``terms``: their indices among the compiled loss terms."""
+
+    terms: list[int]
+    weight: tf.Tensor
+    count: tf.Tensor
+    sums: bool = False  # its terms are not divided (reduction "sum")
 
 
-def _inexact_message(terms, found) -> str:
-    lines = [
-        f"  output {'/'.join(map(str, t.path)) or '0'!r}: "
-        f"reduction={_reduction(t)!r}, {_describe(key)}"
-        for t, (key, _) in zip(terms, found)
-    ]
-    return (
-        "GradientAccumulateModel cannot accumulate this loss exactly: its "
-        "terms are normalised by different denominators, and the big "
-        "batch's gradient would need each term divided by its own total "
-        "over the cycle, known only at the cycle's end:\n"
-        + "\n".join(lines)
-        + "\nExact combinations: every term reduced by 'sum' (or 'none'); or "
-        "every term divided by the same quantity - the number of samples "
-        "(mean reductions without masks, 'mean_with_sample_weight' without "
-        "sample weights), the unmasked entries of one mask, or the sum of "
-        "the same sample weights (one sample_weight array for all outputs, "
-        "all of them 'mean_with_sample_weight'). Use one of these "
-        "(e.g. reduction='sum' with a constant scale in loss_weights), or "
-        "GradientAccumulateOptimizer, which averages micro-batch gradients."
-    )
+def _order(key) -> int:
+    # The first group also carries what no term owns (regularisation, a
+    # compute_loss override's extra terms): a "sum" group counts it once
+    # per cycle, a "samples" group never has a total of 0.
+    return {"sum": 0, "samples": 1}.get(key if isinstance(key, str) else "", 2)
+
+
+def denominators(terms, y_pred, sample_weight, batch, opens_cycle) -> list[Denominator]:
+    """The micro-batch's loss terms grouped by what the big batch divides
+    them by, each group with the micro-batch's weight and count (the
+    engine applies ``sum_k weight_k * g_k / sum_k count_k`` per group).
+
+    ``terms``: the compiled loss terms (``[]`` for a custom ``compute_loss``:
+    samples are counted); ``batch``: the micro-batch's number of samples;
+    ``opens_cycle``: a function giving a bool tensor, True if this
+    micro-batch opens its cycle (called only for summed terms, whose
+    cycle divides by 1). The first group is the one that should also carry
+    whatever the loss holds beyond the terms (see :func:`_order`).
+    """
+    batch = tf.cast(batch, tf.float32)
+    if not terms:
+        return [Denominator([], batch, batch)]
+    found = [_denominator(t, y_pred, sample_weight, batch) for t in terms]
+    keys: list = []
+    for key, _ in found:
+        if key not in keys:
+            keys.append(key)
+    keys.sort(key=_order)
+    groups = []
+    for key in keys:
+        members = [i for i, (k, _) in enumerate(found) if k == key]
+        if key == "sum":
+            # The big batch's loss is the plain sum of the micro-batches':
+            # the divisor is 1 for the cycle, however many it holds.
+            weight = tf.constant(1.0)
+            count = tf.cast(opens_cycle(), tf.float32)
+        else:
+            weight = count = found[members[0]][1]
+        groups.append(Denominator(members, weight, count, key == "sum"))
+    return groups
 
 
 def sums_losses(terms) -> bool:
     """Whether the loss is a plain sum (every term reduced by "sum" or not
     reduced): the big batch's loss is then the micro-batches' sum."""
     return bool(terms) and all(_reduction(t) in _SUM_REDUCTIONS for t in terms)
-
-
-def micro_batch_weight(terms, y_pred, sample_weight, batch, opens_cycle):
-    """``(weight, count)`` of one micro-batch of the model wrapper.
-
-    ``terms``: the compiled loss terms (``[]`` for a custom ``compute_loss``:
-    samples are counted); ``batch``: the micro-batch's number of samples;
-    ``opens_cycle``: a bool tensor, True if this micro-batch opens its cycle
-    (read only for a summed loss; None otherwise).
-
-    With several loss terms the engine's one divisor is exact only if every
-    term's denominator is the same quantity up to a constant factor (see
-    :func:`_denominator`); any other combination is refused here, when the
-    first step is traced, naming the outputs and reductions.
-    """
-    batch = tf.cast(batch, tf.float32)
-    if not terms:
-        return batch, batch
-    if sums_losses(terms):
-        # The big batch's loss is the plain sum of the micro-batches': the
-        # divisor is 1 for the cycle, however many micro-batches it holds.
-        return tf.constant(1.0), tf.cast(opens_cycle, tf.float32)
-    found = [_denominator(t, y_pred, sample_weight, batch) for t in terms]
-    keys = {key for key, _ in found}
-    if len(keys) > 1:
-        raise ValueError(_inexact_message(terms, found))
-    total = found[0][1]
-    if len(found) > 1 and found[0][0][0] == "weights":
-        total = _same_weight_sums(terms, [d for _, d in found])
-    return total, total
 
 
 def loss_share(terms, count, opens_step):
@@ -202,7 +176,8 @@ def optimizer_weight(reduction: str, replicas: int, scale, opens_cycle, share=No
     return weight, count
 
 
-def _at(structure, path):
+def at(structure, path):
+    """The entry of a (nested) structure at ``path``, a loss term's output."""
     for key in path:
         structure = structure[key]
     return structure

@@ -27,14 +27,11 @@ from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
+from gradient_accumulator.split_gradients import split_by_denominator
 from gradient_accumulator.validation import (
     check_single_accumulation,
 )
-from gradient_accumulator.weighting import (
-    backward_share,
-    micro_batch_weight,
-    sums_losses,
-)
+from gradient_accumulator.weighting import backward_share, denominators
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -296,33 +293,51 @@ class GradientAccumulateModel(tf_keras.Model):
             return super().train_step(data)
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
         accumulator = self._accumulator
-        with tf.GradientTape() as tape:
+        # Several denominators take more than one backward pass of the tape
+        # (the loss terms are known once the first compute_loss built them).
+        with tf.GradientTape(persistent=len(loss_terms(self)) != 1) as tape:
             y_pred = self(x, training=True)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
                 with tf.init_scope(), self.distribute_strategy.scope():
                     accumulator.build(self.trainable_variables)
             loss = self.compute_loss(x, y, y_pred, sample_weight)
-            loss_weight, grad_weight, count = self._weights(x, y_pred, loss)
-            if self.losses and sums_losses(loss_terms(self)):
+            groups = self._denominators(x, y_pred)
+            if self.losses and groups[0].sums:
                 # The big batch adds the regularisation losses once: only the
                 # micro-batch that opens the cycle (count > 0) keeps them.
                 penalty = tf.add_n([tf.cast(p, loss.dtype) for p in self.losses])
-                keep = tf.cast(count > 0, loss.dtype)
+                keep = tf.cast(groups[0].count > 0, loss.dtype)
                 loss = loss - (1.0 - keep) * penalty / self._replicas()
+            loss_weight, unscale = self._weights(groups)
             objective = loss * tf.cast(loss_weight, loss.dtype)
             scaler = scaler_of(self.optimizer)
             if scaler is not None:
                 objective = scaler.get_scaled_loss(objective)
         variables = self.trainable_variables
-        grads = tape.gradient(objective, variables)
+        if len(groups) > 1:
+            outputs = tf.nest.flatten(y_pred)
+            grads, parts = split_by_denominator(
+                tape,
+                objective,
+                [outputs[t.path[0]] for t in loss_terms(self)],
+                groups,
+                variables,
+                unscale,
+            )
+            for index, (own, weight, count) in enumerate(parts, start=1):
+                accumulator.add_part(index, own, variables, weight, count)
+            grad_weight = groups[0].weight * unscale
+        else:
+            grads = tape.gradient(objective, variables)
+            grad_weight = None if unscale is None else groups[0].weight * unscale
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
             grads,
             variables,
             apply_fn=self._apply_fn(variables),
             weight=grad_weight,
-            count=count,
+            count=groups[0].count,
             samples=_batch_size(x),
             on_apply=on_apply,
             on_skip=on_skip,
@@ -335,38 +350,49 @@ class GradientAccumulateModel(tf_keras.Model):
     def _replicas(self) -> int:
         return self.distribute_strategy.num_replicas_in_sync
 
-    def _weights(self, x, y_pred, loss):
-        """``(loss_weight, grad_weight, count)`` of a micro-batch: what its
-        loss is multiplied by before the backward pass, what the engine
-        weighs its gradients by (None: 1) and counts it as (see
-        ``weighting``).
+    def _denominators(self, x, y_pred):
+        """The micro-batch's loss terms by denominator, each with its weight
+        and count (see ``weighting.denominators``).
 
         tf-keras divides a mean-reduced loss (and the regularisation losses)
         by the replica count and lets the optimizer sum the replicas; a
         ``"sum"``-reduced term it does not divide. The engine takes a
-        weighted mean over replicas, so a mean loss is weighted by the
+        weighted mean over replicas, so a mean group is weighted by the
         replica count too, and a summed one counts ``1 / replicas`` per
-        replica. Under a loss scale the weight goes on the gradients with
+        replica.
+        """
+        replicas = self._replicas()
+        groups = denominators(
+            loss_terms(self),
+            tf.nest.flatten(y_pred),
+            None,
+            _batch_size(x),
+            self._accumulator.opens_cycle,
+        )
+        for group in groups:
+            if group.sums:
+                group.count = group.count / replicas
+            else:
+                group.weight = tf.stop_gradient(group.weight) * replicas
+        return groups
+
+    def _weights(self, groups):
+        """``(loss_weight, unscale)``: what the micro-batch's loss is
+        multiplied by before the backward pass, and what its gradients are
+        multiplied by besides their group's weight (None: the weight is in
+        the loss). Under a loss scale the weight goes on the gradients with
         the unscaling, and the loss is divided by its share of the cycle
         first (``weighting.backward_share``), so that float16 sees the big
         batch's magnitudes.
         """
-        replicas = self._replicas()
-        terms = loss_terms(self)
-        sums = sums_losses(terms)
-        if sums:
-            opens = tf.cast(self._accumulator.opens_cycle(), tf.float32)
-            weight, count = tf.constant(1.0), opens / replicas
-        else:
-            weight, count = micro_batch_weight(
-                terms, tf.nest.flatten(y_pred), None, _batch_size(x), None
-            )
-            weight = tf.stop_gradient(weight) * replicas
         scaler = scaler_of(self.optimizer)
         if scaler is None:
-            return weight, None, count
+            if len(groups) > 1:
+                return 1.0, 1.0
+            return groups[0].weight, None
+        sums = len(groups) == 1 and groups[0].sums
         share = tf.stop_gradient(backward_share(sums, self._accumulator.cycle_length()))
-        return share, weight / (scaler.loss_scale * share), count
+        return share, 1.0 / (scaler.loss_scale * share)
 
     def _apply_fn(self, variables):
         return lambda grads: apply_reduced(self.optimizer, grads, variables)
