@@ -1,0 +1,93 @@
+"""tf-keras: loss terms that the big batch divides by different totals,
+against plain tf-keras on the big batch.
+
+A token head averaged over the unmasked tokens (Embedding(mask_zero=True))
+beside a sequence head averaged over the sequences, and a ``"sum"`` beside a
+mean: each denominator's gradients are summed apart and divided by their own
+total at the cycle's end, as in the Keras 3 hosts (``Engine.part``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tf_keras
+
+from tests.keras2 import utils
+from tests.keras2.utils import B, K
+
+VOCAB, LENGTH, N = 16, 10, 64
+
+
+def _pretraining(regularizer=None):
+    inputs = tf_keras.Input((LENGTH,), dtype="int32")
+    h = tf_keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    h = tf_keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(h)
+    tokens = tf_keras.layers.Dense(VOCAB, name="tokens")(h)
+    pooled = tf_keras.layers.GlobalAveragePooling1D()(h)
+    sequence = tf_keras.layers.Dense(2, name="sequence")(pooled)
+    return inputs, {"tokens": tokens, "sequence": sequence}
+
+
+def _corpus(seed: int = 0):
+    """64 sequences of 1-10 real tokens (0 pads): micro-batches with very
+    different token counts."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((N, LENGTH), "int32")
+    for i, length in enumerate(rng.integers(1, LENGTH + 1, size=N)):
+        x[i, :length] = rng.integers(1, VOCAB, size=length)
+    y = {
+        "tokens": rng.integers(0, VOCAB, size=(N, LENGTH)),
+        "sequence": rng.integers(0, 2, size=N),
+    }
+    return x, y
+
+
+def _losses(sequence_reduction: str = "auto"):
+    return lambda: {
+        "tokens": utils.sparse_ce(),
+        "sequence": utils.sparse_ce(reduction=sequence_reduction),
+    }
+
+
+def _pair(layers, losses, x, y, lr=0.5):
+    sgd = lambda: tf_keras.optimizers.SGD(lr, momentum=0.5)  # noqa: E731
+    initial, reference = utils.big_batch(
+        sgd, x, y, layers=layers, make_loss=losses, epochs=1
+    )
+    accumulated = utils.seeded(lambda: utils.accumulating_model(layers, accum_steps=K))
+    assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
+    accumulated.compile(optimizer=sgd(), loss=losses())
+    utils.fit(accumulated, x, y, B)
+    return initial, reference, accumulated
+
+
+@pytest.mark.parametrize(
+    ("reduction", "regularized"),
+    [("auto", True), ("sum", False)],
+    ids=["tokens+sequences+l2", "tokens+sum"],
+)
+def test_token_and_sequence_heads_match_big_batch(reduction, regularized):
+    x, y = _corpus()
+    regularizer = tf_keras.regularizers.L2(0.01) if regularized else None
+    initial, reference, accumulated = _pair(
+        lambda: _pretraining(regularizer), _losses(reduction), x, y
+    )
+    utils.assert_equivalent(initial, reference, accumulated, N // (B * K))
+    assert len(accumulated._accumulator.parts) == 1
+
+
+def test_equal_weighting_is_measurably_off():
+    """Non-vacuity: the optimizer wrapper's equal micro-batch weights on the
+    same data are far from the big batch the model wrapper matches."""
+    from gradient_accumulator import GradientAccumulateOptimizer
+
+    x, y = _corpus()
+    initial, reference, _ = _pair(_pretraining, _losses(), x, y)
+    equal = utils.seeded(lambda: utils.plain_model(_pretraining))
+    assert utils.max_abs_diff(initial, utils.weights(equal)) == 0.0
+    inner = tf_keras.optimizers.SGD(0.5, momentum=0.5)
+    equal.compile(optimizer=GradientAccumulateOptimizer(inner, K), loss=_losses()())
+    utils.fit(equal, x, y, B)
+    gap = utils.max_abs_diff(utils.weights(equal), utils.weights(reference))
+    assert gap > 100 * utils.ATOL, f"equal weighting is only {gap:.3g} off"
