@@ -15,7 +15,10 @@ def cycle_hooks(
     """``(on_apply, on_skip)``: double ``scale`` after ``growth_steps``
     finite updates in a row, halve it (not below ``floor``, if given) on a
     skipped cycle; ``counter`` counts the finite updates since the last
-    change."""
+    change. ``on_apply(overflowed)`` halves it too when a micro-batch of the
+    applied cycle overflowed at it (and was redone at a smaller seed): the
+    scale then stays where micro-batches fit, as dynamic scaling keeps it
+    where steps fit, and overflows (each a second backward pass) stay rare."""
 
     def rescale(factor: float) -> None:
         counter.assign(0)
@@ -24,9 +27,13 @@ def cycle_hooks(
             new = tf.maximum(new, floor)
         scale.assign(new)
 
-    def on_apply() -> None:
+    def on_apply(overflowed=False) -> None:
         grow = tf.equal(counter, tf.cast(growth_steps, counter.dtype) - 1)
-        tf.cond(grow, lambda: rescale(2.0), lambda: _count(counter))
+
+        def keep_or_grow() -> None:
+            tf.cond(grow, lambda: rescale(2.0), lambda: _count(counter))
+
+        tf.cond(tf.convert_to_tensor(overflowed), lambda: rescale(0.5), keep_or_grow)
 
     return on_apply, lambda: rescale(0.5)
 

@@ -17,7 +17,11 @@ An :class:`Engine` keeps, in float32 variables its host creates (see
 * ``accum_steps``: micro-batches per cycle (a variable, so a schedule can
   change it between cycles and a checkpoint restores it);
 * ``last_grad_norm`` and ``last_batch``: the global norm of the last applied
-  gradient and how many samples its cycle held, for logs.
+  gradient and how many samples its cycle held, for logs;
+* ``overflows``: how many micro-batches of the cycle overflowed at the loss
+  scale and were differentiated again at a smaller seed (the host reports
+  them; the scale's ``on_apply`` hook halves the scale after such a cycle);
+* ``parts``: an accumulator per extra loss denominator (:meth:`Engine.part`).
 
 The interface, for hosts (which never read these variables themselves):
 
@@ -65,7 +69,7 @@ from gradient_accumulator.validation import check_accum_steps, check_engine_sett
 ApplyFn = Callable[[list], None]
 
 
-def _nothing() -> None:
+def _nothing(*_) -> None:
     return None
 
 
@@ -109,6 +113,8 @@ class _Wiring:
         # A part of its leader (see Engine.part): its mean joins the
         # leader's gradient instead of being applied on its own.
         self.joins = False
+        # The host reports overflowed micro-batches (Engine.add).
+        self.overflows = False
 
 
 @dataclass
@@ -247,6 +253,9 @@ class Engine(tf.Module):
             )
             self.weight_sum = self._new_variable("weight_sum", (), "float32", **local)
             self.sample_sum = self._new_variable("sample_sum", (), "float32", **local)
+            # Micro-batches of the cycle whose backward pass overflowed at the
+            # loss scale and was redone at a smaller seed (see add).
+            self.overflows = self._new_variable("overflows", (), "float32", **local)
             # True while grad_sums hold only leftovers of the last cycle:
             # cycles end without zeroing them (see _add).
             self.empty = self._new_variable(
@@ -405,6 +414,7 @@ class Engine(tf.Module):
         self.accum_steps_variable.assign(self.next_accum_steps)
         self.weight_sum.assign(0.0)
         self.sample_sum.assign(0.0)
+        self.overflows.assign(0.0)
         self.empty.assign(True)
         for part in self._parts:
             part._restart_eagerly()
@@ -447,6 +457,7 @@ class Engine(tf.Module):
         """Forgets everything traced (the host was compiled again)."""
         self._wiring.flush_fns.clear()
         self._wiring.pending = None
+        self._wiring.overflows = False
 
     def part(self, index: int, variables: Sequence) -> Engine:
         """The accumulator of this one's ``index``-th extra denominator
@@ -557,6 +568,7 @@ class Engine(tf.Module):
         count=None,
         samples=None,
         empty=None,
+        overflowed=None,
     ) -> list[bool]:
         """Adds one micro-batch to this replica's sums (no communication).
 
@@ -565,8 +577,12 @@ class Engine(tf.Module):
         ``count`` defaults to ``weight`` (``1`` when that is None); ``samples``
         (for logs) to 0. ``empty``: the ``empty`` flag, if already read, or
         ``False`` after :meth:`open_sums` (the sums are running sums then).
-        Returns which gradients were present.
+        ``overflowed``: a bool tensor, True if the micro-batch's backward pass
+        overflowed at the loss scale and was redone at a smaller seed; the
+        cycle's ``on_apply`` hook is then told so. Returns which gradients
+        were present.
         """
+        self._note_overflow(overflowed)
         buffers = self._buffers_for(variables)
         if weight is not None:
             weight = tf.cast(weight, tf.float32)
@@ -601,6 +617,12 @@ class Engine(tf.Module):
             arithmetic.raw(self.sample_sum).assign_add(tf.cast(samples, tf.float32))
         return [g is not None for g in grads]
 
+    def _note_overflow(self, overflowed) -> None:
+        if overflowed is not None:
+            # Structural, like `present`: the host's on_apply takes the flag.
+            self._wiring.overflows = True
+            arithmetic.raw(self.overflows).assign_add(tf.cast(overflowed, tf.float32))
+
     def open_sums(self, variables: Sequence) -> None:
         """Readies the sums for several :meth:`add` calls in one micro-step
         (the slices of an in-step loop): an empty cycle's sums are cleared
@@ -632,8 +654,9 @@ class Engine(tf.Module):
         weight=None,
         count=None,
         samples=None,
-        on_apply: Callable[[], None] | None = None,
+        on_apply: Callable[..., None] | None = None,
         on_skip: Callable[[], None] | None = None,
+        overflowed=None,
     ) -> tf.Tensor | None:
         """Adds one micro-batch; applies and resets at the end of a cycle.
 
@@ -647,7 +670,10 @@ class Engine(tf.Module):
                 again (see ``distributed.already_reduced``).
             weight, count, samples: see :meth:`add`. The gradient applied is
                 ``sum(weight * grad) / sum(count)``.
-            on_apply: called, in cross-replica context, after ``apply_fn``.
+            on_apply: called, in cross-replica context, after ``apply_fn``;
+                for a host that reports ``overflowed`` (see :meth:`add`), with
+                a bool tensor: True if a micro-batch of the cycle overflowed
+                at the loss scale.
             on_skip: called, in cross-replica context, instead of ``apply_fn``
                 when the accumulated gradient holds a NaN or an Inf (or
                 ``skip_update_fn`` says so). The cycle is dropped either way.
@@ -656,6 +682,7 @@ class Engine(tf.Module):
             A scalar bool tensor, True on micro-batches that ended a cycle;
             ``None`` for a follower, whose leader decides.
         """
+        self._note_overflow(overflowed)
         last = None
         if self._wiring.leader is None and not tf.distribute.has_strategy():
             # Without a strategy the cycle's last micro-batch goes straight
@@ -681,7 +708,7 @@ class Engine(tf.Module):
         variables: Sequence,
         present: Sequence[bool],
         apply_fn: ApplyFn,
-        on_apply: Callable[[], None] | None = None,
+        on_apply: Callable[..., None] | None = None,
         on_skip: Callable[[], None] | None = None,
         last=None,
         after: Sequence = (),
@@ -776,10 +803,13 @@ class Engine(tf.Module):
                 tf.distribute.ReduceOp.SUM, local, destinations=local
             )
             # Every replica holds the same total, so one copy decides for all.
-            sums = list(_unpack(strategy.experimental_local_results(total)[0], groups))
+            first = strategy.experimental_local_results(total)[0]
+            sums = list(_unpack(first, groups))
+            overflows = first[-1]
         else:
             total = None
             sums = [_read(g, last if i == 0 else None) for i, g in enumerate(groups)]
+            overflows = tf.convert_to_tensor(arithmetic.raw(self.overflows))
         applied, sums = _join_parts(groups, sums)
         grads, weight_sum, samples = sums[0]
         inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
@@ -805,7 +835,10 @@ class Engine(tf.Module):
             strategy.extended.call_for_each_replica(_apply_groups, args=args)
             self.last_grad_norm.assign(tf.sqrt(leader) * inverse)
             self.last_batch.assign(samples)
-            on_apply()
+            if self._wiring.overflows:
+                on_apply(overflows > 0)
+            else:
+                on_apply()
 
         def skip():
             self._each_replica(strategy, _zero, groups)
@@ -930,6 +963,8 @@ def _pack(groups: list[_Group]) -> tf.Tensor:
         accumulator = group.accumulator
         parts.append(tf.reshape(arithmetic.raw(accumulator.weight_sum), [1]))
         parts.append(tf.reshape(arithmetic.raw(accumulator.sample_sum), [1]))
+    # The leader's overflow count rides last; _unpack does not read it.
+    parts.append(tf.reshape(arithmetic.raw(groups[0].accumulator.overflows), [1]))
     return tf.concat(parts, axis=0)
 
 
@@ -1051,6 +1086,7 @@ def _reset(groups: list[_Group]) -> None:
         accumulator = group.accumulator
         arithmetic.raw(accumulator.weight_sum).assign(0.0)
         arithmetic.raw(accumulator.sample_sum).assign(0.0)
+        arithmetic.raw(accumulator.overflows).assign(0.0)
         arithmetic.raw(accumulator.empty).assign(True)
 
 

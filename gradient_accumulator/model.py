@@ -31,7 +31,13 @@ from gradient_accumulator.arithmetic import overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.functional_variants import construct
-from gradient_accumulator.loss_scale import apply_gradients, loss_scale, scale_hooks
+from gradient_accumulator.loss_scale import (
+    apply_gradients,
+    loss_scale,
+    scale_hooks,
+    scaler_of,
+)
+from gradient_accumulator.overflow import finite_gradients
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
@@ -373,6 +379,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             samples=micro.samples,
             on_apply=on_apply,
             on_skip=on_skip,
+            overflowed=micro.overflowed,
         )
         logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
         return self._with_progress(logs)
@@ -401,8 +408,11 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         """
         accumulator = self._accumulator
         # Several denominators take more than one backward pass of the tape
-        # (the loss terms are known once the first compute_loss built them).
-        with tf.GradientTape(persistent=len(flat_losses(self)) != 1) as tape:
+        # (the loss terms are known once the first compute_loss built them),
+        # and so may an overflow under a loss scale (below).
+        scaled = scaler_of(self.optimizer) is not None
+        persistent = scaled or len(flat_losses(self)) != 1
+        with tf.GradientTape(persistent=persistent) as tape:
             y_pred = self(x, training=True) if call_has_training_arg(self) else self(x)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
@@ -466,6 +476,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
 
         variables = self.trainable_weights
         parts = []
+        overflowed = None
         if len(groups) > 1:
             outputs = [at(y_pred, t.path) for t in terms]
             grads, parts = split_by_denominator(
@@ -473,7 +484,18 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             )
             unscale = groups[0].weight * unscale
         else:
-            grads = tape.gradient(objective, variables)
+            if scaled and not _has_overwritten(self):
+                # A micro-batch's gradients sum its own samples, which need
+                # not cancel as the big batch's do: an overflow the big batch
+                # need not have is recomputed at a smaller seed instead of
+                # skipping the cycle, and unscaled by the seed used, so the
+                # sums stay exact. float8 layers record their backward pass
+                # and are not differentiated twice.
+                grads, factor = finite_gradients(tape, objective, variables, scale)
+                unscale = unscale / factor
+                overflowed = factor < 1.0
+            else:
+                grads = tape.gradient(objective, variables)
         return _Micro(
             grads=grads,
             variables=variables,
@@ -484,6 +506,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             samples=_batch_size(x),
             grad_weight=unscale,
             parts=parts,
+            overflowed=overflowed,
         )
 
     def _share(self, x, step_samples=None) -> tf.Tensor:
@@ -545,6 +568,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                     count=micro.count,
                     samples=micro.samples,
                     empty=False if opened else None,
+                    overflowed=micro.overflowed,
                 )
             )
             # Keras' stateful metrics keep additive totals (sums and counts,
@@ -716,6 +740,8 @@ class _Micro(NamedTuple):
     grad_weight: tf.Tensor | None  # what the engine weighs grads by, or None
     # Each extra denominator's (grads, weight, count), see Engine.part.
     parts: list
+    # A bool tensor: the backward pass overflowed and was redone (or None).
+    overflowed: tf.Tensor | None
 
 
 def _slice(tensor, start, length):

@@ -16,6 +16,7 @@ COUNTERS = (
     ("next_accum_steps", "next_accum_steps"),
     ("weight_sum", "weight_sum"),
     ("sample_sum", "sample_sum"),
+    ("overflows", "overflows"),
     ("empty", "empty"),
     ("last_grad_norm", "last_grad_norm"),
     ("last_batch", "last_batch"),

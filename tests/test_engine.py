@@ -659,7 +659,7 @@ def test_state_is_not_among_a_hosts_weights_by_default():
     layer.accumulator = acc
     acc.build(layer.trainable_variables)
     assert [id(w) for w in layer.weights] == before
-    assert len(acc.variables) == 8 + 2
+    assert len(acc.variables) == 9 + 2  # counters and flags, two sums
     inputs = keras.Input((3,))
     model = keras.Model(inputs, layer(inputs))
     model.accumulator = Accumulator(2)
@@ -675,7 +675,7 @@ def test_track_makes_the_state_a_hosts_weights():
     tracked = {id(w) for w in layer.non_trainable_weights}
     assert {id(v) for v in acc.variables} <= tracked
     assert len(layer.trainable_weights) == 2
-    assert len(layer.weights) == 2 + 10
+    assert len(layer.weights) == 2 + 11
 
 
 # ------------------------------------------------------ saving the state
@@ -706,6 +706,7 @@ def test_save_and_load_own_variables_round_trip():
             "next_accum_steps",
             "weight_sum",
             "sample_sum",
+            "overflows",
             "empty",
             "last_grad_norm",
             "last_batch",
