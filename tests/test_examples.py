@@ -170,3 +170,25 @@ def test_masked_sequence_example_quick_is_token_exact():
     assert naive and float(naive.group(1)) > 100 * float(match.group(1)), describe(
         result
     )
+
+
+def test_denominators_benchmark_quick_prints_state_and_exactness():
+    """The second denominator's cost table: its state is one extra sum for
+    the variables the token head reaches (all but the sequence head), and
+    the run it times is the big batch's."""
+    result = run_script("benchmarks/denominators.py", "--quick")
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in lines
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    assert set(rows) == {"one denominator", "two denominators", "keras big batch"}
+    one, two = int(rows["one denominator"][1]), int(rows["two denominators"][1])
+    weights = int(re.search(r"; (\d+) weights", result.stdout).group(1))
+    sequence_head = 8 * 2 + 2  # --quick: width 8, two classes
+    assert one == weights, describe(result)
+    assert two == 2 * weights - sequence_head, describe(result)
+    gap = next(line for line in lines if line.startswith("two denominators vs"))
+    assert float(gap.rsplit("= ", 1)[1]) < 2e-5, describe(result)
