@@ -54,6 +54,7 @@ MIRRORED_CASES = (
     "checkpoint_opt",
     "model_unused_weight",
     "model_nan_one_replica",
+    "model_denominators",
 )
 MWMS_CASES = ("model_sgd", "opt_adam_clip", "model_bn")
 # Cases that probe Keras' own failures under MWMS, each run by its own pair of
@@ -299,6 +300,8 @@ def run_case(case, strategy, out: Path, chief: bool):
 
     if case == "model_nan_one_replica":
         return _nan_case(case, strategy, x, y, initial, facts)
+    if case == "model_denominators":
+        return _denominators_case(case, strategy)
 
     if case.startswith("checkpoint"):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
@@ -439,6 +442,80 @@ def _nan_case(case, strategy, x, y, initial, facts):
     fit_under(strategy, model, _dataset(x[: 2 * BIG], y[: 2 * BIG], GLOBAL_MICRO))
     facts["iterations"] = _iterations(model)
     facts["ref_iterations"] = _iterations(reference)
+    facts["replicas_identical"] = all(
+        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
+        for w in model.trainable_weights
+    )
+    result = {
+        **_pack("init", initial),
+        **_pack("ref", utils.weights(reference)),
+        **_pack("ours", utils.weights(model)),
+    }
+    return result, facts
+
+
+def _denominators_case(case, strategy):
+    """BERT-like pretraining (``tests/test_denominators.py``' model): a token
+    head averaged over the masked positions (``mean_with_sample_weight``,
+    per-token weights) beside a sequence head averaged over the sequences.
+    Each replica's micro-batch holds its own number of masked tokens, so the
+    part's total (as the leader's) must be summed over replicas and the cycle
+    before it divides. Also trains plain Keras under the strategy on the
+    global big batch, where every replica divides by its own masked count,
+    to show that per-replica normalisation is measurably off."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from gradient_accumulator import GradientAccumulateModel
+    from tests import utils
+    from tests.test_denominators import _corpus, _losses, _pretraining
+
+    corpora = [_corpus(seed) for seed in (0, 1)]  # 2 x 32 sequences
+    x = np.concatenate([c[0] for c in corpora])
+    y = {k: np.concatenate([c[1][k] for c in corpora]) for k in ("mlm", "nsp")}
+    masked = np.concatenate([c[2] for c in corpora])
+    assert len(x) == N, len(x)
+    sw = {"mlm": masked, "nsp": np.ones(N, "float32")}
+    layers = _pretraining()
+
+    def dataset(batch):
+        return tf.data.Dataset.from_tensor_slices((x, y, sw)).batch(batch)
+
+    def plain():
+        model = keras.Model(*layers())
+        model.compile(
+            optimizer=_inner_optimizer(case), loss=_losses()(), jit_compile=False
+        )
+        return model
+
+    reference = utils.seeded(plain)
+    initial = utils.weights(reference)
+    reference.fit(dataset(BIG), epochs=EPOCHS, verbose=0, shuffle=False)
+    facts = {"ref_iterations": _iterations(reference)}
+
+    with strategy.scope():
+        per_replica = utils.seeded(plain)
+    per_replica.fit(dataset(BIG), epochs=EPOCHS, verbose=0, shuffle=False)
+    facts["plain_mirrored_gap"] = utils.max_abs_diff(
+        utils.weights(per_replica), utils.weights(reference)
+    )
+
+    def accumulating():
+        inputs, outputs = layers()
+        model = GradientAccumulateModel(
+            accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
+        )
+        model.compile(
+            optimizer=_inner_optimizer(case), loss=_losses()(), jit_compile=False
+        )
+        return model
+
+    with strategy.scope():
+        model = utils.seeded(accumulating)
+    fit_under(strategy, model, dataset(GLOBAL_MICRO), epochs=EPOCHS)
+    facts["iterations"] = _iterations(model)
+    facts["parts"] = len(utils.accumulator(model).parts)
     facts["replicas_identical"] = all(
         len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
         for w in model.trainable_weights

@@ -91,3 +91,53 @@ def test_equal_weighting_is_measurably_off():
     utils.fit(equal, x, y, B)
     gap = utils.max_abs_diff(utils.weights(equal), utils.weights(reference))
     assert gap > 100 * utils.ATOL, f"equal weighting is only {gap:.3g} off"
+
+
+@pytest.mark.parametrize(
+    ("reduction", "regularized"),
+    [("auto", True), ("sum", False)],
+    ids=["tokens+sequences+l2", "tokens+sum"],
+)
+def test_mirrored_token_and_sequence_heads_match_big_batch(
+    reduction, regularized, mirrored
+):
+    """Under MirroredStrategy (2 logical CPUs, conftest.py), global
+    micro-batch 2 x 4 = ``B``: every replica counts its own unmasked tokens,
+    and the model wrapper, built and compiled in the strategy's scope, still
+    trains like plain tf-keras on one device on the big batch. Plain tf-keras
+    under the same strategy on the big batch (each replica divides by its own
+    token count) is measurably off."""
+    x, y = _corpus()
+    regularizer = tf_keras.regularizers.L2(0.01) if regularized else None
+    layers = lambda: _pretraining(regularizer)  # noqa: E731
+    losses = _losses(reduction)
+    sgd = lambda: tf_keras.optimizers.SGD(0.5, momentum=0.5)  # noqa: E731
+    initial, reference = utils.big_batch(
+        sgd, x, y, layers=layers, make_loss=losses, epochs=1
+    )
+    assert mirrored.num_replicas_in_sync * (B // 2) == B
+    with mirrored.scope():
+        accumulated = utils.seeded(
+            lambda: utils.accumulating_model(layers, accum_steps=K)
+        )
+        accumulated.compile(optimizer=sgd(), loss=losses())
+    assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
+    utils.fit(accumulated, x, y, B)  # global batch: B // 2 per replica
+    utils.assert_trained(initial, utils.weights(reference))
+    utils.assert_trained(initial, utils.weights(accumulated))
+    diff = utils.assert_same_weights(
+        utils.weights(accumulated), utils.weights(reference)
+    )
+    utils.report(diff)
+    # (utils.assert_equivalent's int() does not take a MirroredVariable.)
+    assert int(reference.optimizer.iterations) == N // (B * K)
+    assert accumulated.optimizer.iterations.numpy() == N // (B * K)
+    assert len(accumulated._accumulator.parts) == 1
+
+    with mirrored.scope():
+        plain = utils.seeded(lambda: utils.plain_model(layers))
+        plain.compile(optimizer=sgd(), loss=losses())
+    utils.fit(plain, x, y, B * K)
+    gap = utils.max_abs_diff(utils.weights(plain), utils.weights(reference))
+    utils.report(gap, "max |w_plain_mirrored - w_bigbatch|")
+    assert gap > 10 * utils.ATOL, f"per-replica normalisation only {gap:.3g} off"
