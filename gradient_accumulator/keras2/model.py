@@ -24,6 +24,7 @@ from gradient_accumulator.keras2._compat import (
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
+from gradient_accumulator.overflow import finite_gradients
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
@@ -294,8 +295,11 @@ class GradientAccumulateModel(tf_keras.Model):
         x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
         accumulator = self._accumulator
         # Several denominators take more than one backward pass of the tape
-        # (the loss terms are known once the first compute_loss built them).
-        with tf.GradientTape(persistent=len(loss_terms(self)) != 1) as tape:
+        # (the loss terms are known once the first compute_loss built them),
+        # and so may an overflow under a loss scale (below).
+        scaled = scaler_of(self.optimizer) is not None
+        persistent = scaled or len(loss_terms(self)) != 1
+        with tf.GradientTape(persistent=persistent) as tape:
             y_pred = self(x, training=True)
             if not accumulator.built:
                 # A subclassed model creates its variables in the forward pass.
@@ -315,6 +319,7 @@ class GradientAccumulateModel(tf_keras.Model):
             if scaler is not None:
                 objective = scaler.get_scaled_loss(objective)
         variables = self.trainable_variables
+        overflowed = None
         if len(groups) > 1:
             outputs = tf.nest.flatten(y_pred)
             grads, parts = split_by_denominator(
@@ -328,6 +333,14 @@ class GradientAccumulateModel(tf_keras.Model):
             for index, (own, weight, count) in enumerate(parts, start=1):
                 accumulator.add_part(index, own, variables, weight, count)
             grad_weight = groups[0].weight * unscale
+        elif scaled:
+            # As in the Keras 3 model wrapper: an overflow of this
+            # micro-batch's own sums is redone at a smaller seed, not skipped.
+            grads, factor = finite_gradients(
+                tape, objective, variables, scaler.loss_scale
+            )
+            grad_weight = groups[0].weight * unscale / factor
+            overflowed = factor < 1.0
         else:
             grads = tape.gradient(objective, variables)
             grad_weight = None if unscale is None else groups[0].weight * unscale
@@ -341,6 +354,7 @@ class GradientAccumulateModel(tf_keras.Model):
             samples=_batch_size(x),
             on_apply=on_apply,
             on_skip=on_skip,
+            overflowed=overflowed,
         )
         logs = self.compute_metrics(x, y, y_pred, sample_weight)
         if self._setup.progress_logs:

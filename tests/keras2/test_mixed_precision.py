@@ -92,3 +92,77 @@ def test_an_overflowing_micro_batch_skips_its_cycle_as_the_big_batch_skips(
     assert _scale(ours) == _scale(keras_mixed)
     utils.assert_finite(utils.weights(ours))
     utils.assert_same_weights(utils.weights(ours), utils.weights(keras_mixed), 1e-4)
+
+
+def _overflows(model, x, y, scale: float) -> bool:
+    """Whether ``model``'s float16 backward pass of the mean loss over
+    ``x``, ``y`` at loss scale ``scale`` has a non-finite gradient."""
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        loss = utils.sparse_ce()(y, model(x, training=True)) * scale
+    grads = tape.gradient(loss, model.trainable_weights)
+    return not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
+
+
+def test_a_micro_batch_overflowing_where_the_big_batch_does_not_is_redone():
+    """One input repeated, micro-batches of one label each: each micro-batch's
+    weight gradients sum equal per-sample gradients, where the big batch's
+    two labels cancel. At the big batch's largest finite scale a micro-batch
+    overflows even after its share of the cycle; it is differentiated again
+    at a smaller seed instead of skipping the cycle: every update the big
+    batch applies is applied, and the scale is halved after the rescued
+    cycle, as after an overflow."""
+    import numpy as np
+
+    cycles = 3
+    x1, _ = utils.classification_data(1, seed=4)
+    x = np.repeat(x1 * 0.01, cycles * B * K, axis=0)
+    y = (np.arange(cycles * B * K) // B) % 2
+
+    def layers():
+        inputs, outputs = utils.mlp_layers(classes=2)
+        # float32 outputs (as in _layers): the loss's seed must hold the scale.
+        return inputs, tf_keras.layers.Activation("linear", dtype="float32")(outputs)
+
+    reference = utils.seeded(lambda: utils.plain_model(layers))
+    reference.compile(tf_keras.optimizers.SGD(0.1), utils.sparse_ce())
+    reference.fit(x, y, batch_size=B * K, shuffle=False, verbose=0)
+
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        probe = utils.seeded(lambda: utils.plain_model(layers))
+        scale = 2.0
+        while not _overflows(probe, x[: B * K], y[: B * K], 2 * scale):
+            scale *= 2
+            assert scale < 2.0**40, "the big batch never overflows"
+        assert _overflows(probe, x[:B], y[:B], scale / K)  # the precondition
+
+        def train(wrapped: bool):
+            build = (
+                (lambda: utils.accumulating_model(layers, accum_steps=K))
+                if wrapped
+                else (lambda: utils.plain_model(layers))
+            )
+            model = utils.seeded(build)
+            optimizer = tf_keras.mixed_precision.LossScaleOptimizer(
+                tf_keras.optimizers.SGD(0.1),
+                initial_scale=scale,
+                dynamic_growth_steps=1000,
+            )
+            model.compile(optimizer, utils.sparse_ce())
+            batch = B if wrapped else B * K
+            model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
+            return model
+
+        big, ours = train(False), train(True)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    assert int(big.optimizer.iterations) == cycles
+    assert float(big.optimizer.loss_scale) == scale
+    assert int(ours.optimizer.iterations) == cycles
+    assert scale / 2**cycles <= float(ours.optimizer.loss_scale) < scale
+    low_precision = utils.max_abs_diff(utils.weights(big), utils.weights(reference))
+    utils.assert_same_weights(
+        utils.weights(ours), utils.weights(reference), MARGIN * low_precision
+    )
