@@ -606,16 +606,15 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             start = n // size * size
             return run_slice(start, n - start)
 
-        # A batch of known size takes no cond: traced with the static size,
-        # an empty remainder slice would be a loss of shape (0,) that Keras
-        # leaves unreduced, and adding a regularisation penalty to it fails.
+        # A batch whose known size the slices divide has no remainder to
+        # trace: traced with a static size of 0, its loss would be of shape
+        # (0,), which Keras leaves unreduced, and adding a regularisation
+        # penalty to it fails.
         static = _first(x).shape[0]
-        if static is None:
-            loss, share = tf.cond(batch > full * size, remainder, lambda: (zero, zero))
-        elif static % size:
-            loss, share = remainder()
-        else:
+        if static is not None and static % size == 0:
             loss, share = zero, zero
+        else:
+            loss, share = tf.cond(batch > full * size, remainder, lambda: (zero, zero))
         loss_sum, denominator = loss_sum + loss, denominator + share
         loss_tracker(self).update_state(
             tf.math.divide_no_nan(loss_sum, denominator), sample_weight=batch
