@@ -449,8 +449,10 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             scale = loss_scale(self.optimizer)
             if len(groups) > 1:
                 # Each denominator's weight goes on its own gradients.
-                loss_weight = 1.0 if scale is None else self._share(x, step_samples)
-                unscale = 1.0 if scale is None else 1.0 / (scale * loss_weight)
+                loss_weight, unscale = 1.0, 1.0
+                if scale is not None:
+                    loss_weight = self._share_of_cycle(x, step_samples)
+                    unscale = 1.0 / (scale * loss_weight)
             elif _has_overwritten(self):
                 # float8 layers record the backward pass's magnitudes (their
                 # output-gradient amax) as Keras' own accumulation does:
@@ -470,7 +472,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 # by that factor first. The gradients are unscaled by it and
                 # by the loss scale, so the sums stay in one unit and exactly
                 # weighted whatever the factor. A summed loss needs none.
-                loss_weight = self._share(x, step_samples)
+                loss_weight = self._share_of_cycle(x, step_samples)
                 unscale = weight / (scale * loss_weight)
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
@@ -509,18 +511,16 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             overflowed=overflowed,
         )
 
-    def _share(self, x, step_samples=None) -> tf.Tensor:
-        return tf.stop_gradient(self._share_of_cycle(x, step_samples))
-
     def _share_of_cycle(self, x, step_samples=None) -> tf.Tensor:
         """``weighting.backward_share`` of this micro-batch or slice."""
         part = None
         if step_samples is not None:
             samples = tf.cast(_batch_size(x), tf.float32)
             part = samples / tf.cast(step_samples, tf.float32)
-        return backward_share(
+        share = backward_share(
             sums_losses(flat_losses(self)), self._accumulator.cycle_length(), part
         )
+        return tf.stop_gradient(share)
 
     def _in_step_train_step(self, data):
         """One ``fit`` step = the batch cut into ``micro_batch_size`` slices,
