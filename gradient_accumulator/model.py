@@ -37,11 +37,10 @@ from gradient_accumulator.loss_scale import (
     scale_hooks,
     scaler_of,
 )
-from gradient_accumulator.overflow import finite_gradients
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
-from gradient_accumulator.split_gradients import split_by_denominator
+from gradient_accumulator.split_gradients import micro_batch_gradients
 from gradient_accumulator.validation import (
     check_single_accumulation,
 )
@@ -410,8 +409,9 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
         # Several denominators take more than one backward pass of the tape
         # (the loss terms are known once the first compute_loss built them),
         # and so may an overflow under a loss scale (below).
-        scaled = scaler_of(self.optimizer) is not None
-        persistent = scaled or len(flat_losses(self)) != 1
+        persistent = (
+            scaler_of(self.optimizer) is not None or len(flat_losses(self)) != 1
+        )
         with tf.GradientTape(persistent=persistent) as tape:
             y_pred = self(x, training=True) if call_has_training_arg(self) else self(x)
             if not accumulator.built:
@@ -447,24 +447,8 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 penalty = unscale_loss_for_distribution(penalty)
                 loss = loss - (1.0 - tf.cast(count, loss.dtype)) * penalty
             scale = loss_scale(self.optimizer)
-            if len(groups) > 1:
-                # Each denominator's weight goes on its own gradients.
-                loss_weight, unscale = 1.0, 1.0
-                if scale is not None:
-                    loss_weight = self._share_of_cycle(x, step_samples)
-                    unscale = 1.0 / (scale * loss_weight)
-            elif _has_overwritten(self):
-                # float8 layers record the backward pass's magnitudes (their
-                # output-gradient amax) as Keras' own accumulation does:
-                # from the micro-batch's own loss, so the weight goes on the
-                # gradients; unscaling there keeps every sum in one unit.
-                loss_weight = 1.0
-                unscale = weight if scale is None else weight / scale
-            elif scale is None:
-                # Weighting the scalar loss rather than the gradients spares
-                # a multiply over every gradient element on every micro-step.
-                loss_weight, unscale = tf.stop_gradient(weight), None
-            else:
+            float8 = len(groups) == 1 and _has_overwritten(self)
+            if scale is not None and not float8:
                 # A micro-batch's mean loss gives each of its samples about
                 # accum_steps times the part of the backward pass it has in
                 # the big batch, so float16 would overflow (and skip the
@@ -473,42 +457,47 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 # by the loss scale, so the sums stay in one unit and exactly
                 # weighted whatever the factor. A summed loss needs none.
                 loss_weight = self._share_of_cycle(x, step_samples)
-                unscale = weight / (scale * loss_weight)
+                unscale = 1.0 / (scale * loss_weight)
+            elif len(groups) > 1 or float8:
+                # Each denominator's weight goes on its own gradients. float8
+                # layers record the backward pass's magnitudes (their
+                # output-gradient amax) as Keras' own accumulation does: from
+                # the micro-batch's own loss, so the weight goes on the
+                # gradients; unscaling there keeps every sum in one unit.
+                loss_weight = 1.0
+                unscale = 1.0 if scale is None else 1.0 / scale
+            else:
+                # Weighting the scalar loss rather than the gradients spares
+                # a multiply over every gradient element on every micro-step.
+                loss_weight, unscale = tf.stop_gradient(weight), None
             objective = self.optimizer.scale_loss(loss * loss_weight)
 
         variables = self.trainable_weights
-        parts = []
-        overflowed = None
-        if len(groups) > 1:
-            outputs = [at(y_pred, t.path) for t in terms]
-            grads, parts = split_by_denominator(
-                tape, objective, outputs, groups, variables, unscale
-            )
-            unscale = groups[0].weight * unscale
-        else:
-            if scaled and not _has_overwritten(self):
-                # A micro-batch's gradients sum its own samples, which need
-                # not cancel as the big batch's do: an overflow the big batch
-                # need not have is recomputed at a smaller seed instead of
-                # skipping the cycle, and unscaled by the seed used, so the
-                # sums stay exact. float8 layers record their backward pass
-                # and are not differentiated twice.
-                grads, factor = finite_gradients(tape, objective, variables, scale)
-                unscale = unscale / factor
-                overflowed = factor < 1.0
-            else:
-                grads = tape.gradient(objective, variables)
+        found = micro_batch_gradients(
+            tape,
+            objective,
+            variables,
+            groups,
+            outputs=[at(y_pred, t.path) for t in terms] if len(groups) > 1 else (),
+            unscale=unscale,
+            # A micro-batch's gradients sum its own samples, which need not
+            # cancel as the big batch's do: an overflow the big batch need
+            # not have is recomputed at a smaller seed instead of skipping
+            # the cycle. float8 layers record their backward pass and are
+            # not differentiated twice.
+            retry_scale=None if float8 else scale,
+        )
         return _Micro(
-            grads=grads,
+            grads=found.grads,
             variables=variables,
             y_pred=y_pred,
             loss=loss,
             weight=weight,
             count=count,
             samples=_batch_size(x),
-            grad_weight=unscale,
-            parts=parts,
-            overflowed=overflowed,
+            grad_weight=found.weight,
+            parts=found.parts,
+            overflowed=found.overflowed,
         )
 
     def _share_of_cycle(self, x, step_samples=None) -> tf.Tensor:

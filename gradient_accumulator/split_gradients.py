@@ -1,16 +1,78 @@
-"""One micro-batch's gradients split by loss denominator, for hosts whose
-loss terms the big batch divides by different totals (see
-``weighting.denominators`` and ``Engine.part``). Plain TensorFlow.
+"""One micro-batch's gradients from its tape, as the engine takes them: in
+one backward pass, split by loss denominator when the big batch divides its
+loss terms by different totals (see ``weighting.denominators`` and
+``Engine.part``), or recomputed at a smaller seed when a loss-scaled
+backward pass overflows (``overflow.finite_gradients``). Plain TensorFlow;
+every model host calls :func:`micro_batch_gradients`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import tensorflow as tf
 
 from gradient_accumulator.arithmetic import minus, overwritten
+from gradient_accumulator.overflow import finite_gradients
 from gradient_accumulator.weighting import Denominator
+
+
+@dataclasses.dataclass
+class MicroGradients:
+    """What :func:`micro_batch_gradients` hands to ``Engine.step``.
+
+    ``grads`` and ``weight`` go to ``step`` (``weight`` None: the weight is
+    already in the loss); ``parts``, ``(grads, weight, count)`` of every
+    denominator group after the first, to ``add_part(1..)``; ``overflowed``
+    (None, or a boolean tensor) to ``step(overflowed=...)``.
+    """
+
+    grads: list
+    weight: tf.Tensor | None
+    parts: list = dataclasses.field(default_factory=list)
+    overflowed: tf.Tensor | None = None
+
+
+def micro_batch_gradients(
+    tape: tf.GradientTape,
+    objective: tf.Tensor,
+    variables: Sequence,
+    groups: Sequence[Denominator],
+    outputs=(),
+    unscale=None,
+    retry_scale=None,
+) -> MicroGradients:
+    """One micro-batch's gradients of ``objective`` (its loss, times any
+    loss weight and loss scale) with respect to ``variables``.
+
+    ``groups``: its loss terms by denominator (``weighting.denominators``);
+    with more than one, ``outputs[i]`` is the model output term ``i`` reads
+    and ``tape`` must be persistent. ``unscale``: what every gradient is
+    multiplied by besides its group's weight, or None when the one group's
+    weight is already in ``objective``. ``retry_scale``: the loss scale in
+    ``objective`` when an overflowing backward pass is to be recomputed at a
+    smaller seed (persistent ``tape``), else None.
+
+    The weight of a group's gradients is ``group.weight * unscale`` (divided
+    by the retry's seed factor); the sums the engine keeps therefore hold
+    the same quantity whichever path ran.
+    """
+    first = groups[0]
+    if len(groups) > 1:
+        unscale = 1.0 if unscale is None else unscale
+        grads, parts = split_by_denominator(
+            tape, objective, outputs, groups, variables, unscale
+        )
+        return MicroGradients(grads, first.weight * unscale, parts)
+    if retry_scale is not None:
+        grads, factor = finite_gradients(tape, objective, variables, retry_scale)
+        unscale = 1.0 if unscale is None else unscale
+        return MicroGradients(
+            grads, first.weight * unscale / factor, overflowed=factor < 1.0
+        )
+    grads = tape.gradient(objective, variables)
+    return MicroGradients(grads, None if unscale is None else first.weight * unscale)
 
 
 def split_by_denominator(

@@ -24,11 +24,10 @@ from gradient_accumulator.keras2._compat import (
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
-from gradient_accumulator.overflow import finite_gradients
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 from gradient_accumulator.saved_state import weight_names
 from gradient_accumulator.settings import Settings, model_settings
-from gradient_accumulator.split_gradients import split_by_denominator
+from gradient_accumulator.split_gradients import micro_batch_gradients
 from gradient_accumulator.validation import (
     check_single_accumulation,
 )
@@ -297,8 +296,8 @@ class GradientAccumulateModel(tf_keras.Model):
         # Several denominators take more than one backward pass of the tape
         # (the loss terms are known once the first compute_loss built them),
         # and so may an overflow under a loss scale (below).
-        scaled = scaler_of(self.optimizer) is not None
-        persistent = scaled or len(loss_terms(self)) != 1
+        scaler = scaler_of(self.optimizer)
+        persistent = scaler is not None or len(loss_terms(self)) != 1
         with tf.GradientTape(persistent=persistent) as tape:
             y_pred = self(x, training=True)
             if not accumulator.built:
@@ -315,46 +314,36 @@ class GradientAccumulateModel(tf_keras.Model):
                 loss = loss - (1.0 - keep) * penalty / self._replicas()
             loss_weight, unscale = self._weights(groups)
             objective = loss * tf.cast(loss_weight, loss.dtype)
-            scaler = scaler_of(self.optimizer)
             if scaler is not None:
                 objective = scaler.get_scaled_loss(objective)
         variables = self.trainable_variables
-        overflowed = None
-        if len(groups) > 1:
-            outputs = tf.nest.flatten(y_pred)
-            grads, parts = split_by_denominator(
-                tape,
-                objective,
-                [outputs[t.path[0]] for t in loss_terms(self)],
-                groups,
-                variables,
-                unscale,
-            )
-            for index, (own, weight, count) in enumerate(parts, start=1):
-                accumulator.add_part(index, own, variables, weight, count)
-            grad_weight = groups[0].weight * unscale
-        elif scaled:
+        outputs = tf.nest.flatten(y_pred)
+        found = micro_batch_gradients(
+            tape,
+            objective,
+            variables,
+            groups,
+            outputs=[outputs[t.path[0]] for t in loss_terms(self)]
+            if len(groups) > 1
+            else (),
+            unscale=unscale,
             # As in the Keras 3 model wrapper: an overflow of this
             # micro-batch's own sums is redone at a smaller seed, not skipped.
-            grads, factor = finite_gradients(
-                tape, objective, variables, scaler.loss_scale
-            )
-            grad_weight = groups[0].weight * unscale / factor
-            overflowed = factor < 1.0
-        else:
-            grads = tape.gradient(objective, variables)
-            grad_weight = None if unscale is None else groups[0].weight * unscale
+            retry_scale=None if scaler is None else scaler.loss_scale,
+        )
+        for index, (own, weight, count) in enumerate(found.parts, start=1):
+            accumulator.add_part(index, own, variables, weight, count)
         on_apply, on_skip = scale_hooks(self.optimizer)
         accumulator.step(
-            grads,
+            found.grads,
             variables,
             apply_fn=self._apply_fn(variables),
-            weight=grad_weight,
+            weight=found.weight,
             count=groups[0].count,
             samples=_batch_size(x),
             on_apply=on_apply,
             on_skip=on_skip,
-            overflowed=overflowed,
+            overflowed=found.overflowed,
         )
         logs = self.compute_metrics(x, y, y_pred, sample_weight)
         if self._setup.progress_logs:
