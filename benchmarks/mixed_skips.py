@@ -16,7 +16,13 @@ What it measures
       ``accum_steps`` micro-batches of ``--micro-batch`` and every
       BatchNormalization swapped by ``replace_batchnorm_layers``. Its float32
       run shows how far micro-batch normalisation statistics alone take it
-      from the big batch, whatever the precision.
+      from the big batch, whatever the precision;
+    * ``ghost-f32`` / ``ghost-f16``: plain Keras on the big batch again, with
+      every BatchNormalization normalising each ``--micro-batch`` of the
+      batch with that slice's own statistics ("ghost" batch normalisation,
+      defined here): the function the wrapper trains, in one backward pass.
+      It shows how far float16 moves that function from its float32 run
+      without any accumulation.
 
     For each: updates applied (``optimizer.iterations``) of those possible,
     the cycles skipped, the loss scale at the end, and the L2 and largest
@@ -28,8 +34,9 @@ What it measures
     scaled gradient entry of each cycle's big batch at the same weights.
 
 Run:
-    python benchmarks/mixed_skips.py            # about a minute on 2 cores
+    python benchmarks/mixed_skips.py            # about two minutes on 2 cores
     python benchmarks/mixed_skips.py --probe    # plus the per-micro-batch view
+    python benchmarks/mixed_skips.py --quick    # one cycle
 """
 
 from __future__ import annotations
@@ -69,13 +76,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--runs",
-        default="keras-f32,keras-f16,wrapper-f32,wrapper-f16",
+        default="keras-f32,keras-f16,wrapper-f32,wrapper-f16,ghost-f32,ghost-f16",
         help="comma-separated runs (keras-f32 is always run: the reference)",
     )
     parser.add_argument(
         "--probe", action="store_true", help="which micro-batches overflow"
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--quick", action="store_true", help="one cycle (a smoke test's run)"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.samples = args.micro_batch * args.accum_steps
+    return args
 
 
 if __name__ == "__main__":
@@ -92,6 +105,40 @@ from gradient_accumulator import (  # noqa: E402
 )
 
 F16_MAX = 65504.0
+
+
+class GhostBatchNormalization(keras.layers.BatchNormalization):
+    """In training, Keras' own layer applied to each of ``chunks`` equal
+    slices of the batch in turn, so each is normalised with its own
+    statistics, as the wrapper's micro-batches are; otherwise Keras' layer.
+    (Its moving statistics then follow the slices, not the big batch: only
+    the trainable weights are compared.)"""
+
+    chunks = 4
+
+    def call(self, inputs, training=None, mask=None):
+        if not training:
+            return super().call(inputs, training=False)
+        outputs = []
+        for part in tf.split(inputs, self.chunks, axis=0):
+            outputs.append(super().call(part, training=True))
+        return tf.concat(outputs, axis=0)
+
+
+def ghost(base: keras.Model, chunks: int) -> keras.Model:
+    """``base`` with every BatchNormalization a GhostBatchNormalization of
+    ``chunks`` slices, and the same weights."""
+
+    def clone(layer):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            copy = GhostBatchNormalization.from_config(layer.get_config())
+            copy.chunks = chunks
+            return copy
+        return layer.__class__.from_config(layer.get_config())
+
+    model = keras.models.clone_model(base, clone_function=clone)
+    model.set_weights(base.get_weights())
+    return model
 
 
 def load_data(samples: int, pixels: str = "unit", upsample: str = "repeat"):
@@ -121,6 +168,8 @@ def build(kind: str, policy: str, args) -> keras.Model:
     base = mobilenet()
     if kind == "keras":
         model = base
+    elif kind == "ghost":
+        model = ghost(base, args.accum_steps)
     else:
         model = replace_batchnorm_layers(
             GradientAccumulateModel(
@@ -250,6 +299,8 @@ def main(args) -> None:
         ("keras-f16", "keras", "mixed_float16"),
         ("wrapper-f32", "wrapper", "float32"),
         ("wrapper-f16", "wrapper", "mixed_float16"),
+        ("ghost-f32", "ghost", "float32"),
+        ("ghost-f16", "ghost", "mixed_float16"),
     ]:
         if name in wanted:
             runs[name] = train(kind, policy, data, args)
@@ -279,6 +330,12 @@ def main(args) -> None:
             f"| {skipped(log) or '-'} | {scale_text} | {l2:.4e} | {largest:.4e} "
             f"| {l2_own:.4e} | {largest_own:.4e} |"
         )
+    if {"wrapper-f32", "ghost-f32"} <= set(runs):
+        # One function, accumulated or in one pass: float32 rounding only,
+        # which this network's first updates amplify.
+        l2, largest = distance(runs["wrapper-f32"][0], runs["ghost-f32"][0])
+        print()
+        print(f"wrapper-f32 to ghost-f32: L2 {l2:.4e}, max {largest:.4e}")
     if args.probe:
         print()
         probe(data, args)

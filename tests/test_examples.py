@@ -192,3 +192,31 @@ def test_denominators_benchmark_quick_prints_state_and_exactness():
     assert two == 2 * weights - sequence_head, describe(result)
     gap = next(line for line in lines if line.startswith("two denominators vs"))
     assert float(gap.rsplit("= ", 1)[1]) < 2e-5, describe(result)
+
+
+def test_mixed_skips_benchmark_quick_compares_with_the_same_function():
+    """One cycle of MobileNetV2 under ``mixed_float16`` at a scale where
+    nothing overflows: the wrapper applies the update, and float16 moves it
+    from its own float32 run no further than it moves plain Keras training
+    the same function (each micro-batch normalised alone, in one backward
+    pass) from that one's float32 run; in float32 the two agree up to the
+    rounding this network amplifies (an update moves weights by about 4)."""
+    runs = "wrapper-f32,wrapper-f16,ghost-f32,ghost-f16"
+    result = run_script(
+        "benchmarks/mixed_skips.py",
+        *("--quick", "--initial-scale", "64", "--runs", runs),
+        timeout=900,
+    )
+    assert result.returncode == 0, describe(result)
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in result.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| run")
+    }
+    assert set(rows) == {"keras-f32", *runs.split(",")}, describe(result)
+    assert rows["wrapper-f16"][1] == "1 of 1", describe(result)
+    own = {name: float(row[6]) for name, row in rows.items()}
+    assert own["ghost-f16"] > 0.0, describe(result)
+    assert own["wrapper-f16"] <= 1.05 * own["ghost-f16"], describe(result)
+    same = re.search(r"wrapper-f32 to ghost-f32: L2 (\S+),", result.stdout)
+    assert same and float(same.group(1)) < 0.5, describe(result)
