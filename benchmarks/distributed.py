@@ -39,6 +39,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--ports", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--done", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rounds is None:
         args.rounds = 1 if args.quick else 5
@@ -92,6 +94,8 @@ def launch(args) -> int:
     command = [sys.executable, str(Path(__file__).resolve())]
     command += ["--rounds", str(args.rounds), "--updates", str(args.updates)]
     command += ["--ports", ports] + (["--quick"] if args.quick else [])
+    done = tempfile.TemporaryDirectory()
+    command += ["--done", str(Path(done.name, "worker-0"))]
     procs = []
     try:
         for i in range(WORKERS):
@@ -122,6 +126,7 @@ def launch(args) -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
+        done.cleanup()
 
 
 # ------------------------------------------------------------------ worker
@@ -292,6 +297,14 @@ def worker(args) -> None:
             times[name].append((time.perf_counter() - start) * 1e3 / args.updates)
     if args.worker == 0:
         report(args, params, times, per_update)
+        Path(args.done).touch()
+    else:
+        # The last all-reduce can return here while worker 0 still fetches
+        # its share from this process, which must not exit before that
+        # ("Socket closed" on worker 0): wait until worker 0 is through.
+        deadline = time.monotonic() + 120.0
+        while not Path(args.done).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
     sys.stdout.flush()
     sys.stderr.flush()
     # Exit here: destroying the iterator over the repeated dataset (and
