@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-__all__ = ["distributed_container", "keras_mask", "on_device_or_primary"]
+__all__ = [
+    "distributed_container",
+    "keras_mask",
+    "on_device_or_primary",
+    "with_keras_mask",
+]
 
 
 def distributed_container(variable):
@@ -35,3 +40,11 @@ def keras_mask(tensor):
     """The mask a Keras layer attached to its output (``None`` if none): the
     same private attribute in Keras 3 and in tf-keras."""
     return getattr(tensor, "_keras_mask", None)
+
+
+def with_keras_mask(tensor, mask):
+    """A tensor equal to ``tensor`` (gradients flow through it) that Keras'
+    losses read as masked by ``mask``."""
+    masked = tf.identity(tensor)
+    masked._keras_mask = mask
+    return masked

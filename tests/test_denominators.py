@@ -252,3 +252,57 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
     )
     assert int(second.optimizer.iterations) == 1
     utils.assert_same_weights(utils.weights(second), utils.weights(whole), atol=1e-6)
+
+
+def _padding_heads():
+    """A token head over masked embeddings (``mask_zero``) and a sequence
+    head pooled from unmasked ones (a masked average over padding alone is
+    0 / 0 in the big batch too)."""
+    tokens = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
+    mlm = keras.layers.Dense(VOCAB, name="mlm")(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(VOCAB, 4)(tokens)
+    )
+    nsp = keras.layers.Dense(2, name="nsp")(pooled)
+    return tokens, {"mlm": mlm, "nsp": nsp}
+
+
+def _mlm_head():
+    tokens, outputs = _padding_heads()
+    return tokens, outputs["mlm"]
+
+
+@MODES
+@pytest.mark.parametrize("heads", ["mlm", "mlm+nsp"])
+def test_micro_batch_of_padding_contributes_nothing(heads, micro_batch_size):
+    """Micro-batch 1 is all padding: it adds nothing to its cycle (weight
+    0, no NaN), and every cycle applies, as the big batch's do."""
+    x, y, _ = _corpus(padded=True)
+    x[MICRO : 2 * MICRO] = 0
+    losses = {"mlm": utils.sparse_ce(), "nsp": utils.sparse_ce()}
+    if heads == "mlm":
+        layers = _mlm_head
+        y, make_loss = y["mlm"], lambda: losses["mlm"]
+    else:
+        layers, make_loss = _padding_heads, lambda: losses
+    initial, reference, accumulated = _pair_plain(
+        layers, make_loss, x, y, micro_batch_size
+    )
+    _exact(initial, reference, accumulated)
+
+
+def _pair_plain(layers, make_loss, x, y, micro_batch_size):
+    in_step = micro_batch_size is not None
+    return utils.train_pair(
+        layers,
+        lambda: keras.optimizers.SGD(LR),
+        x,
+        y,
+        batch_size=MICRO * K if in_step else MICRO,
+        accum_steps=1 if in_step else K,
+        reference_batch=MICRO * K,
+        epochs=1,
+        make_loss=make_loss,
+        model_kwargs={"micro_batch_size": micro_batch_size},
+    )

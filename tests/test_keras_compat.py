@@ -360,6 +360,23 @@ def test_keras_mask():
     assert compat.keras_mask(tf.constant([1.0])) is None
 
 
+def test_with_keras_mask():
+    """The tf-keras model wrapper hands Keras' losses an output under another
+    mask (``with_keras_mask``): the loss reads that mask, and gradients flow
+    through to the output."""
+    from gradient_accumulator._tf_compat import with_keras_mask
+
+    y_pred = tf.Variable([[1.0], [3.0]])
+    mask = tf.constant([True, False])
+    loss = keras.losses.MeanSquaredError()
+    with tf.GradientTape() as tape:
+        masked = with_keras_mask(tf.convert_to_tensor(y_pred), mask)
+        value = loss(tf.zeros((2, 1)), masked)
+    assert compat.keras_mask(masked) is mask
+    assert float(value) == 1.0, _says("with_keras_mask", "the loss ignored the mask")
+    np.testing.assert_allclose(tape.gradient(value, y_pred), [[2.0], [0.0]])
+
+
 def test_flat_losses():
     """model.py reads the compiled loss terms: ``.loss`` (with its
     ``reduction``) and ``.path``, the output a term applies to."""

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
+from gradient_accumulator._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.keras2._compat import (
@@ -304,7 +305,7 @@ class GradientAccumulateModel(tf_keras.Model):
                 # A subclassed model creates its variables in the forward pass.
                 with tf.init_scope(), self.distribute_strategy.scope():
                     accumulator.build(self.trainable_variables)
-            loss = self.compute_loss(x, y, y_pred, sample_weight)
+            loss = self.compute_loss(x, y, _dividable(y_pred), sample_weight)
             groups = self._denominators(x, y_pred)
             if self.losses and groups[0].sums:
                 # The big batch adds the regularisation losses once: only the
@@ -438,6 +439,28 @@ def _is_tensor_structure(value) -> bool:
 
 class _PartialCycles(PartialCycles, tf_keras.callbacks.Callback):
     """:class:`~gradient_accumulator.partial_cycles.PartialCycles` for tf-keras."""
+
+
+def _dividable(y_pred):
+    """``y_pred`` with every mask that holds no unmasked entry replaced by
+    ones.
+
+    tf-keras' masked mean divides by the number of unmasked entries without
+    guarding 0 (Keras 3 guards it), so a micro-batch of padding alone has a
+    NaN loss, and weight 0 times NaN is NaN: the finite check would then
+    drop its whole cycle. Its weight and count (``_denominators``) come from
+    the real mask, 0, so the finite mean taken instead adds nothing, as the
+    padding adds nothing to the big batch's mean.
+    """
+
+    def dividable(output):
+        mask = keras_mask(output)
+        if mask is None:
+            return output
+        some = tf.reduce_any(tf.cast(mask, tf.bool))
+        return with_keras_mask(output, tf.where(some, mask, tf.ones_like(mask)))
+
+    return tf.nest.map_structure(dividable, y_pred)
 
 
 def _batch_size(x):

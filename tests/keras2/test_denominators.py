@@ -141,3 +141,103 @@ def test_mirrored_token_and_sequence_heads_match_big_batch(
     gap = utils.max_abs_diff(utils.weights(plain), utils.weights(reference))
     utils.report(gap, "max |w_plain_mirrored - w_bigbatch|")
     assert gap > 10 * utils.ATOL, f"per-replica normalisation only {gap:.3g} off"
+
+
+def _one_padding_micro_batch(seed: int = 0):
+    """The corpus with micro-batch 1 (samples 8-15) all padding: tf-keras'
+    masked mean of that micro-batch alone divides 0 by 0, while every big
+    batch still holds real tokens."""
+    x, y = _corpus(seed)
+    x[B : 2 * B] = 0
+    return x, y
+
+
+def _tokens_only():
+    inputs, outputs = _pretraining()
+    return inputs, outputs["tokens"]
+
+
+def _unmasked_sequence_head():
+    """The token head over masked embeddings, and a sequence head pooled
+    from unmasked ones (a masked average of a sequence of padding alone is
+    0 / 0 in plain tf-keras' big batch too)."""
+    inputs = tf_keras.Input((LENGTH,), dtype="int32")
+    h = tf_keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
+    tokens = tf_keras.layers.Dense(VOCAB, name="tokens")(h)
+    pooled = tf_keras.layers.GlobalAveragePooling1D()(
+        tf_keras.layers.Embedding(VOCAB, 4)(inputs)
+    )
+    sequence = tf_keras.layers.Dense(2, name="sequence")(pooled)
+    return inputs, {"tokens": tokens, "sequence": sequence}
+
+
+@pytest.mark.parametrize(
+    ("layers", "losses"),
+    [
+        (_tokens_only, lambda: utils.sparse_ce()),
+        (_unmasked_sequence_head, _losses()),
+    ],
+    ids=["tokens", "tokens+sequences"],
+)
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+def test_micro_batch_of_padding_contributes_nothing(layers, losses, run_eagerly):
+    """A micro-batch without one unmasked token adds nothing to its cycle,
+    as its rows add nothing to the big batch's masked mean; before, its NaN
+    loss (0 / 0) times weight 0 stayed NaN and the finite check dropped the
+    whole cycle with its three good micro-batches (1 update of 2)."""
+    x, y = _one_padding_micro_batch()
+    if layers is _tokens_only:
+        y = y["tokens"]
+    sgd = lambda: tf_keras.optimizers.SGD(0.5, momentum=0.5)  # noqa: E731
+    initial, reference = utils.big_batch(
+        sgd, x, y, layers=layers, make_loss=losses, epochs=1
+    )
+    accumulated = utils.seeded(lambda: utils.accumulating_model(layers, accum_steps=K))
+    accumulated.compile(optimizer=sgd(), loss=losses(), run_eagerly=run_eagerly)
+    history = utils.fit(accumulated, x, y, B)
+    utils.assert_equivalent(initial, reference, accumulated, N // (B * K))
+    assert np.isfinite(history.history["loss"]).all()
+
+
+def test_nan_from_the_data_still_skips_its_cycle():
+    """A NaN in a micro-batch that does count (an input the first Dense
+    reads) still skips its cycle as documented: weights finite, one update
+    fewer than cycles."""
+    inputs = tf_keras.Input((4,))
+    outputs = tf_keras.layers.Dense(1)(inputs)
+    from gradient_accumulator import GradientAccumulateModel
+
+    model = GradientAccumulateModel(accum_steps=K, inputs=inputs, outputs=outputs)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss="mse")
+    x = np.ones((N, 4), "float32")
+    x[B + 1, 2] = np.nan
+    utils.fit(model, x, np.ones((N, 1), "float32"), B)
+    utils.assert_finite(utils.weights(model))
+    assert int(model.optimizer.iterations) == N // (B * K) - 1
+
+
+def test_micro_batch_of_padding_under_mixed_float16():
+    """Under a loss scale the micro-batch's weight goes on its unscaled
+    gradients instead of its loss: the padding micro-batch still adds
+    nothing, and the wrapper applies every update the mixed big batch
+    applies, within float16's distance of it."""
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    x, y = _one_padding_micro_batch()
+    y = y["tokens"]
+    sgd = lambda: tf_keras.optimizers.SGD(0.5, momentum=0.5)  # noqa: E731
+    initial, reference = utils.big_batch(
+        sgd, x, y, layers=_tokens_only, make_loss=utils.sparse_ce, epochs=1
+    )
+    accumulated = utils.seeded(
+        lambda: utils.accumulating_model(_tokens_only, accum_steps=K)
+    )
+    accumulated.compile(optimizer=sgd(), loss=utils.sparse_ce())
+    utils.fit(accumulated, x, y, B)
+    utils.assert_finite(utils.weights(accumulated))
+    updates = N // (B * K)
+    assert int(reference.optimizer.iterations) == updates
+    assert int(accumulated.optimizer.iterations) == updates
+    utils.assert_trained(initial, utils.weights(accumulated))
+    gap = utils.max_abs_diff(utils.weights(accumulated), utils.weights(reference))
+    utils.report(gap, "max |w_accum - w_bigbatch| (both mixed_float16)")
+    assert gap < 1e-2
