@@ -179,6 +179,47 @@ def test_unbuilt_subclassed_model_set_weights_then_trains_exactly():
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
 
+class SeededNet(keras.Model):
+    """``Net`` with seeded initializers: two instances start equal whenever
+    their variables are made."""
+
+    def __init__(self):
+        super().__init__()
+        glorot = keras.initializers.GlorotUniform
+        self.hidden = keras.layers.Dense(16, "tanh", kernel_initializer=glorot(1))
+        self.head = keras.layers.Dense(3, kernel_initializer=glorot(2))
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+def test_subclass_marked_built_before_its_variables_exist_trains_exactly():
+    """``build(shape)`` marks a subclass without a ``build`` method built
+    before any layer has a variable (Keras warns, then trains it): the
+    state is built at the first step, when the variables exist; before, it
+    was built for none and the first step failed."""
+    x, y = utils.classification_data(N)
+    models = []
+    for wrap in (lambda m: m, lambda m: accumulate(m, accum_steps=K)):
+        model = SeededNet()
+        with pytest.warns(UserWarning, match="build"):
+            model.build((None, 8))
+        assert model.built and not model.trainable_variables
+        model = wrap(model)
+        _compile(model, "subclassed")
+        models.append(model)
+    plain, accumulating = models
+    utils.fit(plain, x, y, B * K)
+    utils.fit(accumulating, x, y, B)
+    assert int(accumulating.optimizer.iterations) == int(plain.optimizer.iterations)
+    fresh = SeededNet()
+    fresh(x[:1])
+    utils.assert_trained(utils.weights(fresh), utils.weights(plain))
+    utils.report(
+        utils.assert_same_weights(utils.weights(accumulating), utils.weights(plain))
+    )
+
+
 # --------------------------------------------------------- .keras files
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_keras_file_saved_mid_cycle_round_trips_and_resumes_exactly(kind, tmp_path):

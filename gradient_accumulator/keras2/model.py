@@ -251,8 +251,11 @@ class GradientAccumulateModel(tf_keras.Model):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
     def _sync_state(self) -> None:
-        if not self.built:
-            return  # a subclassed model: built at its first train step
+        if not self.built or not self.trainable_variables:
+            # A subclassed model creates its variables in its first call:
+            # built at its first train step. (``build(shape)`` may mark one
+            # built before any of its layers has a variable.)
+            return
         accumulator = self._accumulator
         pending = accumulator.pending
         with self.distribute_strategy.scope():
