@@ -304,7 +304,7 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
     def _sync_state(self) -> None:
         """Builds the accumulation state for the current trainable variables
         (eager; nothing happens when it already fits them)."""
-        if not self.built or not self.trainable_variables:
+        if not self.built or not self.weights:
             # A subclassed model creates its variables in its first call:
             # built at its first train step. (``build(shape)`` may mark one
             # built before any of its layers has a variable.)

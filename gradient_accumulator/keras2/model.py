@@ -251,7 +251,7 @@ class GradientAccumulateModel(tf_keras.Model):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
     def _sync_state(self) -> None:
-        if not self.built or not self.trainable_variables:
+        if not self.built or not self.weights:
             # A subclassed model creates its variables in its first call:
             # built at its first train step. (``build(shape)`` may mark one
             # built before any of its layers has a variable.)
