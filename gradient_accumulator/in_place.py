@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 
 from gradient_accumulator.settings import SAVED, Settings
+from gradient_accumulator.validation import check_single_accumulation
 
 # Saved files name this loader, which rebuilds the model's own class first.
 LOADER = "gradient_accumulator>Accumulating"
@@ -55,6 +56,13 @@ def start(keras: Keras, model, settings: Callable[[], Settings]):
             "`compute_loss`, which accumulate() keeps."
         )
     checked = settings()
+    if keras.compiled(model):
+        check_single_accumulation(
+            getattr(model, "optimizer", None),
+            "accumulate",
+            checked.accum_steps,
+            stacklevel=4,
+        )
     model.__class__ = _accumulating_class(keras, own)
     model._start_accumulating(checked)
     if keras.compiled(model):

@@ -271,7 +271,9 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
                 optimizer = keras.optimizers.get(optimizer)
             except (TypeError, ValueError):
                 optimizer = None  # compile() reports a bad config itself
-        check_single_accumulation(optimizer, "GradientAccumulateModel")
+        check_single_accumulation(
+            optimizer, "GradientAccumulateModel", self.accum_steps
+        )
         super().compile(*args, **kwargs)
         # Nothing traced for the last compile (flush functions, the plan)
         # survives it; the state follows the trainable variables of now.

@@ -180,11 +180,14 @@ def check_clipping(inner, wrapper_args: dict) -> None:
     )
 
 
-def check_single_accumulation(optimizer, wrapper: str) -> None:
+def check_single_accumulation(
+    optimizer, wrapper: str, accum_steps: int | None = None, stacklevel: int = 3
+) -> None:
     """Rejects an optimizer that accumulates gradients itself (Keras'
     ``gradient_accumulation_steps``) inside one of this package's wrappers,
-    which would accumulate twice. ``optimizer`` may also be a name (which
-    never accumulates)."""
+    which would accumulate twice, and warns where it is one of this
+    package's optimizer wrappers (``accum_steps``: the outer wrapper's).
+    ``optimizer`` may also be a name (which never accumulates)."""
     for inner in _optimizer_chain(optimizer):
         steps = getattr(inner, "gradient_accumulation_steps", None)
         if steps:
@@ -197,6 +200,27 @@ def check_single_accumulation(optimizer, wrapper: str) -> None:
                 "`gradient_accumulation_steps` unset and give the whole cycle "
                 "length as `accum_steps`."
             )
+        own = getattr(inner, "accum_steps", None) if _accumulates(inner) else None
+        if own is not None and accum_steps is not None:
+            # Exact (a big batch of the product), but never what a user who
+            # wrapped both meant; refusing would also stop files saved so
+            # from loading.
+            warnings.warn(
+                f"{wrapper}(accum_steps={accum_steps}) is given a "
+                f"GradientAccumulateOptimizer(accum_steps={own}): both "
+                f"accumulate, so one update is applied every "
+                f"{accum_steps * own} micro-batches. To update every "
+                f"{accum_steps}, give {wrapper} the optimizer the "
+                "GradientAccumulateOptimizer wraps (or use the "
+                "GradientAccumulateOptimizer alone).",
+                UserWarning,
+                stacklevel=stacklevel,
+            )
+
+
+def _accumulates(optimizer) -> bool:
+    """Whether ``optimizer`` is one of this package's optimizer wrappers."""
+    return hasattr(optimizer, "_accumulator") and hasattr(optimizer, "accum_steps")
 
 
 def check_engine_settings(use_agc, clip_factor, eps, skip_update_fn) -> tuple:

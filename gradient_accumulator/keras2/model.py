@@ -214,7 +214,9 @@ class GradientAccumulateModel(tf_keras.Model):
         trainable variables changed (a pending partial cycle is then
         dropped, with a warning)."""
         optimizer = args[0] if args else kwargs.get("optimizer")
-        check_single_accumulation(optimizer, "GradientAccumulateModel")
+        check_single_accumulation(
+            optimizer, "GradientAccumulateModel", self.accum_steps
+        )
         super().compile(*args, **kwargs)
         self._accumulator.unwire()
         self._plain = None
