@@ -37,6 +37,10 @@ _ACCUM_BATCH_NORM = (
 _RANDOM = "randomness: it draws random numbers per call, so one big batch and {k} "
 _RANDOM += "micro-batches draw different ones"
 _STATEFUL = "non-trainable state updated per call ({k} times per update, not once)"
+_HIDDEN = (
+    "state that get_weights() leaves out ({names}) changed during training: "
+    "it advances per call ({k} times per update, not once)"
+)
 _DOWNSTREAM = "follows from {causes}"
 _UNEXPLAINED = (
     "no known cause in this layer: a loss or layer that couples the samples "
@@ -208,6 +212,7 @@ class Options:
     steps: int = 3
     tolerance: float = 1e-4
     seed: int = 0
+    callbacks: Any = None
 
     def __post_init__(self):
         set_checked = functools.partial(object.__setattr__, self)
@@ -217,6 +222,12 @@ class Options:
         seed = self.seed
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"`seed` must be an integer. Received: seed={seed!r}.")
+        if self.callbacks is not None and not callable(self.callbacks):
+            raise TypeError(
+                "`callbacks` must be None or a function returning a new list of "
+                "callbacks (called once per run: a callback belongs to one "
+                f"model). Received: callbacks={self.callbacks!r}."
+            )
 
 
 def run(
@@ -224,10 +235,19 @@ def run(
 ) -> VerifyReport:
     """``verify(model_fn, x, y, **options)`` for ``keras``: see the Keras 3
     ``verify`` module."""
-    if not callable(model_fn):
+    if isinstance(model_fn, keras.model) or not callable(model_fn):
+        # A model is callable too, but on inputs: say what was passed.
+        given = (
+            f"a {type(model_fn).__name__} instance ({model_fn.name!r})"
+            if isinstance(model_fn, keras.model)
+            else f"model_fn={model_fn!r}"
+        )
         raise TypeError(
-            f"`model_fn` must be a callable that returns a new {keras.package}."
-            f"Model. Received: model_fn={model_fn!r}."
+            f"`model_fn` must be a function that builds and returns a new "
+            f"{keras.package}.Model (verify calls it twice, for two models "
+            f"with the same architecture). Received {given}. For a model you "
+            f"have, pass `lambda: {keras.package}.models.clone_model(model)` "
+            "(and `loss=`, `optimizer=` if it is compiled)."
         )
     unknown = sorted(set(options) - {f.name for f in fields(Options)})
     if unknown:
@@ -261,13 +281,43 @@ def run(
         dst.set_weights(src.get_weights())
 
     initial = [[np.array(w) for w in layer.get_weights()] for layer in reference.layers]
+    hidden = [_hidden_state(keras, layer) for layer in reference.layers]
     reference.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
     accumulated.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
-    reference.fit(x, y, batch_size=big, epochs=1, shuffle=False, verbose=0)
-    accumulated.fit(
-        x, y, batch_size=checked.micro_batch_size, epochs=1, shuffle=False, verbose=0
-    )
-    return _report(keras, reference, accumulated, initial, checked)
+    _train(reference, x, y, big, checked, "plain, big batch")
+    _train(accumulated, x, y, checked.micro_batch_size, checked, "accumulated")
+    changed = [
+        [name for name, variable, start in found if _changed(variable, start)]
+        for found in hidden
+    ]
+    return _report(keras, reference, accumulated, initial, checked, changed)
+
+
+def _train(model: Any, x: Any, y: Any, batch_size: int, options, run: str) -> None:
+    callbacks = None if options.callbacks is None else list(options.callbacks())
+    try:
+        model.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+            callbacks=callbacks,
+        )
+    except Exception as error:
+        hint = (
+            " verify trains with `fit` and the callbacks that `callbacks()` "
+            "returns (none given): a layer that needs a callback while "
+            "training (TensorFlow Model Optimization's pruning wrapper needs "
+            "UpdatePruningStep) needs `callbacks=lambda: [...]`."
+            if callbacks is None
+            else ""
+        )
+        raise RuntimeError(
+            f"verify: training the {run} run (batch_size={batch_size}) "
+            f"failed: {type(error).__name__}: {error}{hint}"
+        ) from error
 
 
 # ------------------------------------------------------------------ helpers
@@ -356,6 +406,67 @@ def _check_same_architecture(a: Any, b: Any) -> None:
         )
 
 
+def _hidden_state(keras: Keras, layer: Any) -> list[tuple[str, Any, np.ndarray]]:
+    """``(name, variable, value now)`` of every TensorFlow variable that
+    ``layer`` or a layer nested in it holds outside its weights (TensorFlow
+    Model Optimization's pruning wrapper keeps its step and masks so)."""
+    layers = keras.sublayers(layer)
+    # A layer may hold variables in `weights` that `get_weights()` leaves
+    # out (the pruning wrapper: its own after the wrapped layer's).
+    held = [
+        (w, i < len(sub.get_weights()))
+        for sub in layers
+        for i, w in enumerate(sub.weights)
+    ]
+    known = {id(_raw(w)) for w, covered in held if covered}
+    seen = {id(sub) for sub in layers}
+    found: dict[int, tuple[str, Any]] = {}
+    for variable, covered in held:
+        if not covered and id(_raw(variable)) not in known:
+            found[id(_raw(variable))] = (_short_name(variable), _raw(variable))
+
+    def visit(value: Any, name: str, depth: int) -> None:
+        if id(value) in seen or depth > 3:
+            return
+        seen.add(id(value))
+        if isinstance(value, tf.Variable):
+            if id(value) not in known:
+                found.setdefault(id(value), (_short_name(value), value))
+            return
+        if isinstance(value, str | bytes | numbers.Number | np.ndarray | tf.Tensor):
+            return
+        if hasattr(value, "weights") and hasattr(value, "call"):
+            return  # another layer: its own weights, walked if nested
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, list | tuple):
+            items = list(enumerate(value))
+        elif hasattr(value, "__dict__"):
+            items = list(vars(value).items())
+        else:
+            return
+        for key, item in items:
+            visit(item, f"{name}.{key}", depth + 1)
+
+    for sub in layers:
+        for key, item in vars(sub).items():
+            if not key.startswith(("_inbound", "_outbound")):
+                visit(item, key, 0)
+    return [(name, v, np.array(v.numpy())) for name, v in found.values()]
+
+
+def _short_name(variable: Any) -> str:
+    return variable.name.split("/")[-1].split(":")[0]
+
+
+def _raw(variable: Any) -> Any:
+    return variable if isinstance(variable, tf.Variable) else variable.value
+
+
+def _changed(variable: Any, start: np.ndarray) -> bool:
+    return not np.array_equal(np.asarray(variable.numpy()), start)
+
+
 def _own_causes(
     keras: Keras, layer: Any, stateful: set[int], accum_steps: int
 ) -> list[str]:
@@ -380,6 +491,7 @@ def _report(
     accumulated: Any,
     initial: Sequence[Sequence[np.ndarray]],
     options: Options,
+    hidden_changes: Sequence[Sequence[str]],
 ) -> VerifyReport:
     tolerance, accum_steps = options.tolerance, options.accum_steps
     stateful = set()
@@ -410,6 +522,9 @@ def _report(
 
     differs = any(not v.ok for vs in checks for v in vs)
     own = [_own_causes(keras, x, stateful, accum_steps) for x in reference.layers]
+    for causes, names in zip(own, hidden_changes):
+        if names:
+            causes.append(_HIDDEN.format(names=", ".join(names), k=accum_steps))
     culprits = [layer.name for layer, causes in zip(reference.layers, own) if causes]
     layers = []
     for layer, variables, causes in zip(reference.layers, checks, own):

@@ -60,6 +60,7 @@ def verify(
     steps: int = 3,
     tolerance: float = 1e-4,
     seed: int = 0,
+    callbacks: Callable[[], list] | None = None,
 ) -> VerifyReport:
     """Checks that ``GradientAccumulateModel`` trains ``model_fn()``'s model
     exactly like plain Keras on the big batch.
@@ -98,13 +99,18 @@ def verify(
         tolerance: largest absolute difference per variable that passes
             (``> 0``).
         seed: random seed for the initial weights.
+        callbacks: None, or a function returning a new list of callbacks
+            for each run's ``fit`` (for layers that need one while training,
+            such as TensorFlow Model Optimization's ``UpdatePruningStep``).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is the verdict and
         ``print(report)`` shows the table.
 
     Raises:
-        TypeError: an argument has the wrong type.
+        TypeError: an argument has the wrong type (``model_fn`` a model
+            instead of a function that builds one).
+        RuntimeError: a training run failed (the message names the run).
         ValueError: an argument is out of range, there are too few samples,
             or ``model_fn`` builds a model without symbolic inputs
             (subclassed).
@@ -117,5 +123,6 @@ def verify(
         "steps": steps,
         "tolerance": tolerance,
         "seed": seed,
+        "callbacks": callbacks,
     }
     return verification.run(KERAS, model_fn, x, y, options)

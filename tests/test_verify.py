@@ -13,6 +13,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from gradient_accumulator import (
     AccumBatchNormalization,
@@ -100,10 +101,11 @@ def test_sequential_and_accumulating_model_fns():
     def accumulating():
         inputs, outputs = mlp_layers()
         model = GradientAccumulateModel(6, inputs=inputs, outputs=outputs)
-        model.compile(
-            optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), 6),
-            loss=LOSS,
-        )
+        with pytest.warns(UserWarning, match="every 36 micro-batches"):
+            model.compile(
+                optimizer=GradientAccumulateOptimizer(keras.optimizers.Adam(1e-2), 6),
+                loss=LOSS,
+            )
         return model
 
     x, y = classification_data(n=64)
@@ -330,3 +332,76 @@ def test_cli_without_scikit_learn_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "sklearn", None)  # import raises ImportError
     assert cli.main(["verify"]) == 2
     assert 'pip install "gradient-accumulator[examples]"' in capsys.readouterr().err
+
+
+# ------------------------------------------- state get_weights() leaves out
+class _Step:
+    """Where a layer keeps state outside its weights (as TensorFlow Model
+    Optimization's pruning wrapper keeps its step and masks)."""
+
+    def __init__(self):
+        self.step = tf.Variable(0.0, trainable=False, name="step")
+
+
+class HiddenStep(keras.layers.Layer):
+    """Scales by ``1 + step / 10``, ``step`` counting training calls in a
+    variable that ``weights`` and ``get_weights()`` do not hold."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state = _Step()
+
+    def call(self, x, training=False):
+        if training:
+            self.state.step.assign_add(1.0)
+        return x * (1.0 + self.state.step / 10.0)
+
+
+def test_names_per_call_state_that_get_weights_leaves_out():
+    x, y = classification_data(n=96)
+    report = verify(
+        lambda: mlp_with(HiddenStep), x, y, micro_batch_size=8, steps=3, loss=LOSS
+    )
+    assert not report.ok
+    (cause,) = report.causes
+    assert cause.class_name == "HiddenStep"
+    assert "get_weights() leaves out (step)" in cause.reason
+    assert "4 times per update" in cause.reason
+
+
+def test_a_model_instead_of_a_function_that_builds_one_is_named():
+    x, y = classification_data(n=96)
+    with pytest.raises(TypeError, match="a Functional instance") as error:
+        verify(mlp(), x, y, loss=LOSS)
+    assert "clone_model" in str(error.value)
+    report = verify(lambda: keras.models.clone_model(mlp()), x, y, loss=LOSS)
+    assert report.ok, str(report)
+
+
+class _Batches(keras.callbacks.Callback):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(self.model)
+
+
+def test_callbacks_are_new_for_each_run_and_a_failed_run_is_named():
+    x, y = classification_data(n=96)
+    seen = []
+    report = verify(
+        mlp,
+        x,
+        y,
+        micro_batch_size=8,
+        steps=3,
+        loss=LOSS,
+        callbacks=lambda: [_Batches(seen)],
+    )
+    assert report.ok
+    assert len(seen) == 3 + 3 * 4 and len({id(m) for m in seen}) == 2
+    with pytest.raises(TypeError, match="`callbacks` must be None or a function"):
+        verify(mlp, x, y, loss=LOSS, callbacks=[_Batches(seen)])
+    with pytest.raises(RuntimeError, match="training the plain, big batch run"):
+        verify(mlp, x, y.astype("float32") + 0.5, loss="categorical_crossentropy")

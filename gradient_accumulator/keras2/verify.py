@@ -62,7 +62,8 @@ def verify(
     batch, and names the layers that keep it from doing so: as the Keras 3
     ``verify``, with the same keyword arguments (``micro_batch_size=8``,
     ``accum_steps=4``, ``optimizer``, ``loss``, ``steps=3``,
-    ``tolerance=1e-4``, ``seed=0``), checks and report.
+    ``tolerance=1e-4``, ``seed=0``, ``callbacks=None``), checks and
+    report.
 
     ``model_fn`` builds a functional or ``Sequential`` tf-keras model;
     ``optimizer`` is a tf-keras optimizer name or instance, current or

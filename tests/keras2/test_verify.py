@@ -7,6 +7,7 @@ fail and name that layer and why.
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator import (
@@ -123,10 +124,13 @@ def test_sequential_and_accumulating_model_fns():
     def accumulating():
         inputs, outputs = mlp_layers()
         model = GradientAccumulateModel(6, inputs=inputs, outputs=outputs)
-        model.compile(
-            optimizer=GradientAccumulateOptimizer(tf_keras.optimizers.Adam(1e-2), 6),
-            loss=LOSS,
-        )
+        with pytest.warns(UserWarning, match="every 36 micro-batches"):
+            model.compile(
+                optimizer=GradientAccumulateOptimizer(
+                    tf_keras.optimizers.Adam(1e-2), 6
+                ),
+                loss=LOSS,
+            )
         return model
 
     x, y = classification_data(n=64)
@@ -335,3 +339,79 @@ def test_report_is_plain_data():
         for v in layer.variables:
             assert type(v.max_abs_diff) is float and type(v.moved) is float
             assert np.isfinite(v.max_abs_diff)
+
+
+# ------------------------------------------- state get_weights() leaves out
+class _Step:
+    """Where a layer keeps state outside its weights (as TensorFlow Model
+    Optimization's pruning wrapper keeps its step and masks)."""
+
+    def __init__(self):
+        self.step = tf.Variable(0.0, trainable=False, name="step")
+
+
+class HiddenStep(layers.Layer):
+    """Scales by ``1 + step / 10``, ``step`` counting training calls in a
+    variable that ``get_weights()`` does not hold."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.state = _Step()
+
+    def call(self, x, training=False):
+        if training:
+            self.state.step.assign_add(1.0)
+        return x * (1.0 + self.state.step / 10.0)
+
+
+class LeftOut(layers.Layer):
+    """A layer whose ``get_weights()`` leaves out a variable it adds with
+    ``add_weight`` (the pruning wrapper's ``mask``, ``threshold`` and
+    ``pruning_step`` so), counting training calls."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(name="scale", shape=(), initializer="ones")
+        self.count = self.add_weight(
+            name="count", shape=(), initializer="zeros", trainable=False
+        )
+
+    def get_weights(self):
+        return [self.scale.numpy()]
+
+    def set_weights(self, weights):
+        self.scale.assign(weights[0])
+
+    def call(self, x, training=False):
+        if training:
+            self.count.assign_add(1.0)
+        return x * self.scale * (1.0 + self.count / 10.0)
+
+
+@pytest.mark.parametrize(("layer", "names"), [(HiddenStep, "step"), (LeftOut, "count")])
+def test_names_per_call_state_that_get_weights_leaves_out(layer, names):
+    x, y = classification_data(n=96)
+    report = verify(
+        lambda: mlp_with(layer), x, y, micro_batch_size=8, steps=3, loss=LOSS
+    )
+    assert not report.ok
+    (cause,) = report.causes
+    assert cause.class_name == layer.__name__
+    assert f"get_weights() leaves out ({names})" in cause.reason
+    assert "4 times per update" in cause.reason
+
+
+def test_a_model_instead_of_a_function_that_builds_one_is_named():
+    x, y = classification_data(n=96)
+    with pytest.raises(TypeError, match="a Functional instance") as error:
+        verify(mlp(), x, y, loss=LOSS)
+    assert "tf_keras.models.clone_model" in str(error.value)
+    report = verify(lambda: tf_keras.models.clone_model(mlp()), x, y, loss=LOSS)
+    assert report.ok, str(report)
+
+
+def test_a_failed_run_is_named_with_the_callbacks_option():
+    """The pruning wrapper fails a run without its callback; any error of a
+    run is re-raised naming the run and the ``callbacks`` option."""
+    x, y = classification_data(n=96)
+    with pytest.raises(RuntimeError, match=r"(?s)big batch run .* `callbacks=lambda"):
+        verify(mlp, x, y.astype("float32") + 0.5, loss="categorical_crossentropy")
