@@ -14,3 +14,37 @@ def keras_of(value) -> str | None:
         if package in (KERAS3, TF_KERAS):
             return package
     return None
+
+
+_NAMES = {KERAS3: "Keras 3 (keras)", TF_KERAS: "tf-keras (tf_keras, legacy Keras 2)"}
+
+
+def other_keras(values, expected: str, what: str) -> str:
+    """A sentence saying that ``values`` (an object, or a list or dict of
+    them) belong to the other Keras than ``expected``, the Keras of the
+    class receiving them, and how to choose; "" if none does."""
+    leaves = values.values() if isinstance(values, dict) else values
+    if not isinstance(leaves, list | tuple):
+        leaves = [leaves]
+    found = {keras_of(v) for v in leaves} - {None, expected}
+    if not found:
+        return ""
+    (other,) = found
+    why = (
+        "TF_USE_LEGACY_KERAS=1 makes gradient_accumulator export its tf-keras "
+        "classes (tf.keras is tf-keras then)"
+        if expected == TF_KERAS
+        else "TF_USE_LEGACY_KERAS is not set, so gradient_accumulator exports "
+        "its Keras 3 classes"
+    )
+    fix = (
+        "build the model with tf_keras (or tf.keras), or unset "
+        "TF_USE_LEGACY_KERAS to train Keras 3 models"
+        if expected == TF_KERAS
+        else "build the model with keras, or set TF_USE_LEGACY_KERAS=1 before "
+        "TensorFlow is imported to train tf-keras models"
+    )
+    return (
+        f"{what} is {_NAMES[other]}, but gradient_accumulator's classes here "
+        f"are the {_NAMES[expected]} ones: {why}. To fix it, {fix}."
+    )

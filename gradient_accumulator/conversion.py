@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.validation import check_accum_steps
 
 
@@ -45,7 +46,7 @@ def replace(keras: Keras, model, accum_steps: int | None, position: str):
         raise TypeError(
             f"`model` must be a {keras.package}.Model (functional or "
             f"Sequential). Received: model={model!r} of type "
-            f"{type(model).__name__}."
+            f"{type(model).__name__}. " + other_keras(model, keras.package, "`model`")
         )
     if not isinstance(model, keras.graph_models):
         raise TypeError(

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import tensorflow as tf
+
+from gradient_accumulator._which_keras import other_keras
+
 
 def construct(
     model,
@@ -23,12 +27,20 @@ def construct(
     variants: dict,
     namespace: Callable[[type], dict],
     register: Callable[[type, type], None],
+    keras: str,
 ) -> None:
     """Runs ``init(*args, **kwargs)`` (Keras' functional construction) for
     ``model``, an instance of ``host`` (a model wrapper) or a subclass, then
     restores the rebased classes and makes ``model``'s class the variant of
     its public class (cached in ``variants``; ``namespace(cls)``: extra class
-    attributes; ``register(variant, cls)``: makes saved files name ``cls``)."""
+    attributes; ``register(variant, cls)``: makes saved files name ``cls``;
+    ``keras``: the host's Keras, which ``inputs`` must be of)."""
+    inputs = kwargs.get("inputs", args[0] if args else None)
+    message = other_keras(tf.nest.flatten(inputs), keras, "`inputs`")
+    if message:
+        # Keras itself fails later with "'KerasTensor' object has no
+        # attribute 'node'", naming neither Keras.
+        raise TypeError(f"{host.__name__}: {message}")
     cls = getattr(type(model), "_public_class", type(model))
     bases = {c: c.__bases__ for c in cls.__mro__ if issubclass(c, host)}
     try:

@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
+from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.settings import SAVED, Settings
 from gradient_accumulator.validation import check_single_accumulation
 
@@ -40,7 +41,8 @@ def start(keras: Keras, model, settings: Callable[[], Settings]):
     if not isinstance(model, keras.model):
         raise TypeError(
             f"`model` must be a {keras.package}.Model instance. "
-            f"Received: model={model!r} of type {type(model).__name__}."
+            f"Received: model={model!r} of type {type(model).__name__}. "
+            + other_keras(model, keras.package, "`model`")
         )
     if isinstance(model, keras.wrapper):
         raise ValueError(

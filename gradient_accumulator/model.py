@@ -26,6 +26,7 @@ from gradient_accumulator._keras_compat import (
     loss_tracker,
     unscale_loss_for_distribution,
 )
+from gradient_accumulator._which_keras import KERAS3
 from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.arithmetic import overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
@@ -695,6 +696,7 @@ def _init_functional(model, init, args, kwargs) -> None:
         variants=_functional_variants,
         namespace=namespace,
         register=register,
+        keras=KERAS3,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.validation import check_accum_steps, check_positive_float
 
 __all__ = ["Keras", "LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
@@ -352,7 +353,8 @@ def _build(keras: Keras, model_fn: Callable[[], Any]) -> Any:
     if not isinstance(model, keras.model):
         raise TypeError(
             f"`model_fn` must return a {keras.package}.Model. Received: "
-            f"{type(model).__name__}."
+            f"{type(model).__name__}. "
+            + other_keras(model, keras.package, "The model it returned")
         )
     if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
         raise ValueError(

@@ -258,3 +258,35 @@ def test_model_wrapper_with_optimizer_wrapper_warns_and_updates_every_product():
     with pytest.warns(UserWarning, match="every 6 micro-batches") as warned:
         accumulate(compiled, accum_steps=3)
     assert warned[0].filename == __file__
+
+
+# ------------------------------------------------------ the other Keras
+class _TfKerasTensor:
+    """Stands for a tf-keras ``KerasTensor`` (its class's module is what
+    tells a Keras), without tf-keras installed."""
+
+    __module__ = "tf_keras.src.engine.keras_tensor"
+
+
+class _TfKerasModel:
+    __module__ = "tf_keras.src.engine.functional"
+
+
+def test_a_tf_keras_model_given_to_the_keras_3_classes_is_named():
+    """tf-keras objects (TF_USE_LEGACY_KERAS not set) fail at once with a
+    message naming both Kerases and the switch, not deep inside Keras."""
+    from gradient_accumulator import accumulate, replace_batchnorm_layers, verify
+
+    outputs = keras.layers.Dense(1)(keras.Input((4,)))
+    for call in (
+        lambda: GradientAccumulateModel(
+            accum_steps=2, inputs=_TfKerasTensor(), outputs=outputs
+        ),
+        lambda: accumulate(_TfKerasModel(), accum_steps=2),
+        lambda: replace_batchnorm_layers(_TfKerasModel()),
+        lambda: verify(_TfKerasModel, np.ones((96, 4)), np.ones((96, 1)), loss="mse"),
+    ):
+        with pytest.raises(TypeError, match="is tf-keras") as error:
+            call()
+        assert "the Keras 3 (keras) ones" in str(error.value)
+        assert "TF_USE_LEGACY_KERAS=1" in str(error.value)

@@ -11,6 +11,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator._tf_compat import keras_mask, with_keras_mask
+from gradient_accumulator._which_keras import TF_KERAS
 from gradient_accumulator.engine import Binding
 from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.keras2._compat import (
@@ -109,6 +110,7 @@ class GradientAccumulateModel(tf_keras.Model):
                 variants=_functional_variants,
                 namespace=lambda cls: {},
                 register=_register_variant,
+                keras=TF_KERAS,
             )
         else:
             super().__init__(*args, **kwargs)

@@ -549,3 +549,24 @@ def test_with_optimizer_wrapper_warns_and_updates_every_product():
     )
     with pytest.warns(UserWarning, match="every 6 micro-batches"):
         accumulate(compiled, accum_steps=3)
+
+
+def test_a_keras_3_model_given_to_the_tf_keras_classes_is_named():
+    """Keras 3 code run with TF_USE_LEGACY_KERAS=1 fails at once with a
+    message naming both Kerases and the switch (before: tf-keras'
+    "'KerasTensor' object has no attribute 'node'")."""
+    from gradient_accumulator import accumulate, replace_batchnorm_layers, verify
+
+    inputs = keras.Input((4,))
+    outputs = keras.layers.Dense(1)(inputs)
+    model = keras.Model(inputs, outputs)
+    for call in (
+        lambda: GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs),
+        lambda: accumulate(model, accum_steps=2),
+        lambda: replace_batchnorm_layers(model),
+        lambda: verify(lambda: model, np.ones((96, 4)), np.ones((96, 1)), loss="mse"),
+    ):
+        with pytest.raises(TypeError, match=r"is Keras 3 \(keras\)") as error:
+            call()
+        assert "the tf-keras (tf_keras, legacy Keras 2) ones" in str(error.value)
+        assert "unset TF_USE_LEGACY_KERAS" in str(error.value)
