@@ -45,11 +45,17 @@ Method
     whether it holds on each clock. The script reports and never asserts; it
     always exits 0.
 
+    ``--plot DIR`` also draws the ratios on both clocks (medians over rounds,
+    whiskers from the first to the third quartile, the targets as dashed
+    lines) into ``DIR/epoch-time-ratios.png`` (needs matplotlib); the
+    documentation's figure is made this way.
+
 Run
     python benchmarks/epoch.py                   # defaults (9 rounds)
     python benchmarks/epoch.py --rounds 15 --epochs-per-round 2
     python benchmarks/epoch.py --hidden 256 --scale 4
     python benchmarks/epoch.py --quick           # smoke test: 2 rounds, scale 1
+    python benchmarks/epoch.py --rounds 31 --plot docs/_static  # the docs' figure
 
     The package imported is the one Python finds first (PYTHONPATH, then an
     installed copy, then this checkout); the header prints its path, so a
@@ -298,6 +304,85 @@ def verdicts(runners: list[Runner]) -> tuple[list[str], str]:
     return lines, summary
 
 
+PLOT_NAME = "epoch-time-ratios.png"
+
+
+def write_plot(
+    directory: str, runners: list[Runner], big_batch: int, caption: str
+) -> Path:
+    """Draws each variant's ratio to plain big batch and to Keras' built-in
+    accumulation, on both clocks (median over rounds, whiskers from the first
+    to the third quartile; the targets dashed), into ``directory``; returns
+    the file's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    by_name = {r.variant: r for r in runners}
+    titles = {
+        "plain-big": f"vs plain Keras at batch {big_batch}",
+        "keras-builtin": "vs Keras' gradient_accumulation_steps",
+    }
+    clocks = {"wall": ("wall", "tab:blue", 0.2), "cpu": ("CPU", "tab:orange", -0.2)}
+    order = list(reversed(VARIANTS))  # the first variant at the top
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / PLOT_NAME
+
+    fig, axes = plt.subplots(1, 2, figsize=(7.2, 4.4), sharey=True)
+    for ax, (reference, title) in zip(axes, titles.items()):
+        right = 1.0
+        for clock, (label, color, offset) in clocks.items():
+            rows = [ratios(by_name[v], by_name[reference], clock) for v in order]
+            quartiles = [
+                statistics.quantiles(r, n=4, method="inclusive")
+                if len(r) > 1
+                else r * 3
+                for r in rows
+            ]
+            medians = [statistics.median(r) for r in rows]
+            whiskers = [
+                [m - q[0] for m, q in zip(medians, quartiles)],
+                [q[-1] - m for m, q in zip(medians, quartiles)],
+            ]
+            y = np.arange(len(order)) + offset
+            ax.barh(
+                y,
+                medians,
+                height=0.4,
+                color=color,
+                label=label,
+                xerr=whiskers,
+                capsize=2,
+                ecolor="0.25",
+            )
+            for row, (value, q) in zip(y, zip(medians, quartiles)):
+                ax.text(q[-1], row, f" {value:.2f}", fontsize=7, va="center")
+            right = max(right, *(q[-1] for q in quartiles))
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        for variant, target_reference, bound in TARGETS:
+            if target_reference == reference:
+                row = order.index(variant)
+                ax.plot([bound, bound], [row - 0.5, row + 0.5], "r--", linewidth=1.5)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("time per epoch, ratio")
+        ax.set_xlim(0, right * 1.2)
+    axes[0].set_yticks(np.arange(len(order)), order)
+    handles, _ = axes[0].get_legend_handles_labels()
+    handles += [
+        Line2D([], [], color="r", linestyle="--", label="target (wall)"),
+        Line2D([], [], color="0.25", marker="|", label="1st-3rd quartile"),
+    ]
+    fig.legend(handles=handles, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(caption, fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -317,7 +402,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quick", action="store_true", help="2 rounds at --scale 1: a smoke test"
     )
+    parser.add_argument(
+        "--plot",
+        metavar="DIR",
+        help=f"also draw the wall-clock ratios into DIR/{PLOT_NAME} (needs matplotlib)",
+    )
     args = parser.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib")
     if args.quick:
         args.rounds, args.scale = 2, 1
     check_arguments(parser, args, ("rounds", "epochs_per_round", "scale"))
@@ -374,6 +469,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("\n".join(lines))
     print(summary)
+    if args.plot:
+        caption = (
+            f"fit() epochs, MLP 64-{args.hidden}-{args.hidden}-10 on digits, "
+            f"micro-batch {m}, accum_steps {k}; medians of {args.rounds} rounds\n"
+            f"TensorFlow {tf.__version__}, Keras {keras.__version__}, CPU"
+        )
+        path = write_plot(args.plot, runners, k * m, caption)
+        print(f"plot written to {path}")
     return 0
 
 

@@ -1,17 +1,25 @@
 """Checks the built documentation's layout in a real browser (headless Chromium).
 
-Renders the index, getting-started and every API page at a desktop width
+Renders every page made from docs/*.md and docs/api/*.md at a desktop width
 (1280 px) and a phone width (390 px, mobile emulation) and fails when:
 
 - the page is wider than the window (anything makes it scroll sideways);
 - a code block (``pre``) is wider than its container, or its content overflows
   with no scrollbar to reach it (clipped);
+- a table does not show all its columns: it is wider than the content column,
+  so that part of it is hidden or behind a scrollbar (Furo puts every table
+  in a box that scrolls sideways);
+- a heading is cut, or breaks a line inside a word or inside code (a command
+  such as ``epoch.py --rounds 31`` split after a hyphen); it may break only
+  between words and after the hyphen of a compound word (``micro-step``);
 - at the desktop width, a code block needs a horizontal scrollbar at all (the
-  content column must fit the project's 88-character lines), or a name in the
-  navigation sidebar is cut off.
+  content column must fit the project's 88-character lines; a program's
+  output, a ``text`` block, is as wide as the program prints it), or a name in
+  the navigation sidebar is cut off.
 
 On a phone, a code block whose lines are longer than the screen scrolls
 inside its own box: that is the accepted behaviour, the page itself must not.
+docs/_static/layout.css sets the phone-width type of tables and headings.
 
 Usage (needs Chromium, its driver and selenium; on Debian:
 ``apt-get install chromium chromium-driver`` and ``pip install selenium``)::
@@ -37,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = {"desktop": 1280, "phone": 390}
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 DRIVER = "chromedriver"
+DOCS = ROOT / "docs"
 
 # Runs in the page; returns a list of problems (strings).
 MEASURE = """
@@ -47,8 +56,13 @@ const page = document.documentElement.scrollWidth;
 if (page > width + 1) {
   problems.push(`page is ${page} px wide in a ${width} px window`);
 }
+const textOf = (el) => {  // visible text, without the heading's "¶" link
+  const copy = el.cloneNode(true);
+  copy.querySelectorAll(".headerlink").forEach((a) => a.remove());
+  return (copy.textContent || "").replace(/\\s+/g, " ").trim();
+};
 const describe = (el) => {
-  const text = (el.textContent || "").trim().split("\\n")[0].slice(0, 50);
+  const text = textOf(el).slice(0, 50);
   return `${el.tagName.toLowerCase()} "${text}"`;
 };
 for (const pre of document.querySelectorAll("article pre, main pre")) {
@@ -65,10 +79,77 @@ for (const pre of document.querySelectorAll("article pre, main pre")) {
   if (overflow && !scrolls) {
     problems.push(`${describe(pre)} is clipped: no scrollbar for its overflow`);
   }
-  if (overflow && desktop) {
+  const output = pre.closest(".highlight-text") !== null;
+  if (overflow && desktop && !output) {
     problems.push(
       `${describe(pre)} needs a scrollbar at ${width} px ` +
       `(${pre.scrollWidth} > ${pre.clientWidth})`
+    );
+  }
+}
+// A table shows all its columns: it fits the content column, and no
+// ancestor (Furo's scrolling table wrapper, the article) cuts it.
+const tables = [...document.querySelectorAll("article table, main table")];
+const tableName = (table) => {
+  const cells = [...table.rows[0].cells].map((c) => c.textContent.trim());
+  const section = table.closest("section");
+  const heading = section && section.querySelector("h1, h2, h3, h4, h5, h6");
+  const under = heading ? ` under "${textOf(heading).slice(0, 40)}"` : "";
+  return `table ${tables.indexOf(table) + 1} ("${cells[0]}" ... "${cells.at(-1)}", ` +
+    `${cells.length} columns)${under}`;
+};
+for (const table of tables) {
+  if (table.offsetParent === null) continue;
+  const box = table.getBoundingClientRect();
+  let cut = null;
+  for (let el = table.parentElement; el && el !== document.body;
+       el = el.parentElement) {
+    if (getComputedStyle(el).overflowX !== "visible") {
+      cut = Math.round(box.right - el.getBoundingClientRect().right);
+      break;
+    }
+  }
+  if (cut !== null && cut > 1) {
+    problems.push(
+      `${tableName(table)} is cut: ${cut} px of its ${Math.round(box.width)} ` +
+      `are hidden or behind a scrollbar`
+    );
+  } else if (box.right > width + 1) {
+    problems.push(`${tableName(table)} runs past the window's right edge`);
+  }
+}
+// A heading fits its column and wraps only between words: never inside code
+// (a command such as "epoch.py --rounds 31" split after a hyphen), nor
+// inside a word, except after the hyphen of a compound word ("micro-step").
+for (const heading of document.querySelectorAll(
+    "article h1, article h2, article h3, article h4, article h5, article h6")) {
+  if (heading.scrollWidth > heading.clientWidth + 1) {
+    problems.push(`heading ${describe(heading)} is cut`);
+  }
+  const walker = document.createTreeWalker(heading, NodeFilter.SHOW_TEXT);
+  const chars = [];
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    if (node.parentElement.closest(".headerlink")) continue;
+    const code = node.parentElement.closest("code") !== null;
+    for (let i = 0; i < node.data.length; i++) {
+      const range = document.createRange();
+      range.setStart(node, i);
+      range.setEnd(node, i + 1);
+      chars.push({ch: node.data[i], code, rect: range.getClientRects()[0]});
+    }
+  }
+  const text = chars.map((c) => c.ch).join("").replace(/\\s/g, " ");
+  const letter = (c) => c && !c.code && /\\p{L}/u.test(c.ch);
+  for (let i = 1; i < chars.length; i++) {
+    const a = chars[i - 1], b = chars[i];
+    if (!a.rect || !b.rect || /\\s/.test(a.ch) || /\\s/.test(b.ch)) continue;
+    if (b.rect.top < a.rect.bottom - 2) continue;  // same line
+    if (a.ch === "-" && !a.code && letter(chars[i - 2]) && letter(b)) continue;
+    const start = text.lastIndexOf(" ", i - 1) + 1;
+    const end = text.indexOf(" ", i) < 0 ? text.length : text.indexOf(" ", i);
+    problems.push(
+      `heading ${describe(heading)} breaks inside "${text.slice(start, end)}" ` +
+      `("${text.slice(start, i)}" / "${text.slice(i, end)}")`
     );
   }
 }
@@ -101,8 +182,11 @@ def build_docs(out: Path) -> Path:
 
 
 def pages_of(html: Path) -> list[Path]:
-    api = sorted((html / "api").glob("*.html"))
-    return [html / "index.html", html / "getting-started.html", html / "api.html", *api]
+    """Every page made from docs/*.md and docs/api/*.md (not Sphinx's own
+    search and index pages)."""
+    names = [p.relative_to(ROOT / "docs") for p in sorted(DOCS.glob("*.md"))]
+    names += [p.relative_to(ROOT / "docs") for p in sorted(DOCS.glob("api/*.md"))]
+    return [html / name.with_suffix(".html") for name in names]
 
 
 def start_browser(browser: str, driver: str, profile: Path):
@@ -185,7 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     if problems:
         print(f"FAIL: {len(problems)} layout problem(s) in {len(pages)} pages.")
         return 1
-    print(f"OK: {len(pages)} pages at {widths}: no code block overflows.")
+    print(
+        f"OK: {len(pages)} pages at {widths}: no code block overflows, every "
+        "table shows all its columns, headings break between words."
+    )
     return 0
 
 

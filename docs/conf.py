@@ -57,6 +57,7 @@ myst_enable_extensions = ["colon_fence"]
 # browser by docs/check_layout.py.
 html_theme = "furo"
 html_static_path = ["_static"]
+html_css_files = ["layout.css"]  # tables and headings on phones
 html_title = f"gradient-accumulator {release}"
 # sphinx-copybutton: leave out prompts and output when copying shell lines.
 copybutton_prompt_text = r"\$ |>>> |\.\.\. "
