@@ -25,8 +25,8 @@ effective batch sizes of 1 to 16 micro-batches, each measured over two updates
 (``DIR/digits-peak-memory.png``).
 
 Run:
-    python examples/digits_demo.py                   # defaults, well under a minute
-    python examples/digits_demo.py --quick           # 1 epoch, a few seconds
+    python examples/digits_demo.py                   # defaults, 17 s on 2 CPU cores
+    python examples/digits_demo.py --quick           # 1 epoch, 9-13 s
     python examples/digits_demo.py --plot docs/_static  # needs matplotlib
 """
 

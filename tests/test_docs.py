@@ -7,6 +7,7 @@ child process (autodoc imports the package, hence TensorFlow).
 
 from __future__ import annotations
 
+import configparser
 import html as html_text
 import re
 from pathlib import Path
@@ -33,6 +34,11 @@ def test_docs_build_without_warnings(tmp_path):
     assert result.returncode == 0, describe(result)
 
     check_api_pages(html)
+    # __version__ shows the version, not the docstring of Python's str.
+    api = _text(html / "api.html")
+    version = gradient_accumulator.__version__
+    assert f"in this build of the documentation: {version}" in api
+    assert "Create a new string object" not in api
     # Pages that include files from outside docs/ show their content.
     benchmarks = (html / "benchmarks.html").read_text(encoding="utf-8")
     assert "Overhead per micro-step" in benchmarks
@@ -101,3 +107,87 @@ def check_api_pages(html: Path) -> None:
     norm = _text(html / "api" / "AccumBatchNormalization.html")
     assert "AccumBatchNormalization ( accum_steps = None , axis = -1" in norm
     assert "Micro-batches per cycle as given ( None : the model" in norm
+
+
+# ------------------------------------------------------------- install lines
+# This version is not on PyPI: there `gradient-accumulator` is 0.5.2 (numpy
+# <= 1.23.2, no extras), so an install line naming the distribution installs
+# the predecessor. Until the release, every install line installs a checkout
+# (`.`, `.[extras]`) or a wheel built from one.
+FENCE = re.compile(r"^```+\s*(\w*)")
+PIP_INSTALL = re.compile(r"\bpip install\s+(.*?)\s*(?:&&|#|$)")
+WHEEL = re.compile(r"dist/gradient_accumulator-([^-]+)-py3-none-any\.whl\[([a-z,-]+)\]")
+
+
+def shell_lines(page: Path) -> list[str]:
+    """The lines of a page's ``bash`` code blocks, in order."""
+    lines, language = [], None
+    for line in page.read_text(encoding="utf-8").splitlines():
+        fence = FENCE.match(line.strip())
+        if fence:
+            language = None if language is not None else fence.group(1)
+        elif language == "bash":
+            lines.append(line)
+    return lines
+
+
+def install_targets(lines: list[str]) -> list[str]:
+    """What each ``pip install`` of ``lines`` installs (options left out)."""
+    targets = []
+    for line in lines:
+        for args in PIP_INSTALL.findall(line):
+            targets += [a.strip("\"'") for a in args.split() if not a.startswith("-")]
+    return targets
+
+
+def declared_extras() -> set[str]:
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    return set(config["options.extras_require"])
+
+
+def test_install_lines_install_this_version_not_the_predecessor():
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    version = gradient_accumulator.__version__
+    assert ".dev" in version, "released: the install lines may name PyPI again"
+    extras = declared_extras()
+    for page in pages:
+        for target in install_targets(shell_lines(page)):
+            name = re.split(r"[\[=<>~ ]", target)[0]
+            assert name != "gradient-accumulator", f"{page.name}: {target} is 0.5.2"
+            for wheel_version, wheel_extras in WHEEL.findall(target):
+                assert wheel_version == version, f"{page.name}: {target}"
+                assert set(wheel_extras.split(",")) <= extras, target
+            for local in re.findall(r"^\.\[([a-z,-]+)\]$", target):
+                assert set(local.split(",")) <= extras, f"{page.name}: {target}"
+        text = page.read_text(encoding="utf-8")
+        for stated in re.findall(r"This version \(([^)]+)\) is not on PyPI", text):
+            assert stated == version, page.name
+    # The README's first install command installs the checkout with a
+    # TensorFlow extra, and the page says why.
+    readme = REPO / "README.md"
+    first = install_targets(shell_lines(readme))[0]
+    assert first == ".[tensorflow]", first
+    assert "is not on PyPI yet" in readme.read_text(encoding="utf-8")
+    # Each page that shows how to install shows the checkout and its extras.
+    for name in ("index.md", "getting-started.md"):
+        targets = install_targets(shell_lines(REPO / "docs" / name))
+        assert {".[tensorflow]", ".[cpu]", ".[and-cuda]", "."} <= set(targets), name
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmarks_figure_is_drawn_by_the_epoch_benchmark(tmp_path):
+    """The benchmarks page's figure is the one ``benchmarks/epoch.py --plot``
+    writes, and ``--plot`` leaves the script's table as it was."""
+    name = "epoch-time-ratios.png"
+    readme = (REPO / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    assert f"](../docs/_static/{name})" in readme
+    assert "--plot docs/_static" in readme
+    assert (REPO / "docs" / "_static" / name).read_bytes()[:8] == PNG_SIGNATURE
+    result = run_script("benchmarks/epoch.py", "--quick", "--plot", str(tmp_path))
+    assert result.returncode == 0, describe(result)
+    assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE, describe(result)
+    header = "| variant | batch | ms/epoch | vs plain-big | vs keras-builtin |"
+    assert any(line.startswith(header) for line in result.stdout.splitlines())
