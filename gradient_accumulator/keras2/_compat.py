@@ -20,6 +20,9 @@ try:
         has_functional_like_constructor,
         reconstruct_from_config,
     )
+    from tf_keras.src.mixed_precision.loss_scale_optimizer import (
+        LossScaleOptimizerV3,
+    )
     from tf_keras.src.saving.object_registration import (
         _GLOBAL_CUSTOM_NAMES as GLOBAL_CUSTOM_NAMES,
     )
@@ -32,6 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the release
 __all__ = [
     "GLOBAL_CUSTOM_NAMES",
     "Functional",
+    "LossScaleOptimizerV3",
     "LossTerm",
     "config_as",
     "draws_random",

@@ -9,12 +9,18 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.dynamic_scale import cycle_hooks
-from gradient_accumulator.keras2._compat import loss_scale_variable
+
+# LossScaleOptimizerV3 is the class tf-keras wraps a current optimizer in
+# (``compile`` under mixed_float16, or ``LossScaleOptimizer(optimizer)``).
+# Named, not learnt from an instance: building one at import would start
+# TensorFlow's runtime, after which a script can no longer set its threads
+# or devices.
+from gradient_accumulator.keras2._compat import (
+    LossScaleOptimizerV3,
+    loss_scale_variable,
+)
 
 LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
-# The class tf-keras wraps a current optimizer in (``compile`` under
-# mixed_float16, or ``LossScaleOptimizer(optimizer)``).
-LossScaleOptimizerV3 = type(LossScaleOptimizer(tf_keras.optimizers.SGD()))
 
 
 def scaler_of(optimizer):

@@ -153,3 +153,18 @@ def test_wrapping_loss_scaler_is_found_from_the_scalers_methods():
     scaler.build([tf.Variable(1.0)])
     assert seen == [scaler]
     assert compat.wrapping_loss_scaler(inner) is None  # not called by it
+
+
+def test_loss_scale_optimizer_v3_is_the_class_of_a_current_optimizers_scaler():
+    """The class ``LossScaleOptimizer(optimizer)`` (and ``compile`` under
+    mixed_float16) gives a current optimizer, which ``keras2.loss_scale``
+    subclasses without building one at import."""
+    scaler = tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD())
+    assert type(scaler) is compat.LossScaleOptimizerV3
+    assert issubclass(
+        compat.LossScaleOptimizerV3, tf_keras.mixed_precision.LossScaleOptimizer
+    )
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")  # conftest resets
+    model = _functional()
+    model.compile(tf_keras.optimizers.SGD(), loss="mse")
+    assert type(model.optimizer) is compat.LossScaleOptimizerV3
