@@ -13,7 +13,7 @@ import sys
 import keras
 
 from gradient_accumulator._backend import KERAS_SPEC
-from gradient_accumulator._tf_compat import (
+from gradient_accumulator.core._tf_compat import (
     distributed_container,
     keras_mask,
     on_device_or_primary,

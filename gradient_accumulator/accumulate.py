@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from gradient_accumulator import in_place
 from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
+from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.model import GradientAccumulateModel
-from gradient_accumulator.settings import Settings
 
 KERAS = in_place.Keras(
     package="keras",

@@ -1,6 +1,6 @@
 """``Accumulator``: the engine with Keras 3 variables and Keras saving.
 
-The rules live in :mod:`gradient_accumulator.engine`; this class only makes
+The rules live in :mod:`gradient_accumulator.core.engine`; this class only makes
 the engine's variables Keras variables (which a Keras layer or optimizer can
 track as its own) and lets ``.keras`` files and ``save_weights`` hold the
 state of a host that does not track it.
@@ -14,12 +14,12 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator._keras_compat import KerasSaveable
-from gradient_accumulator.engine import Engine
+from gradient_accumulator.core.engine import Engine
 
 
 class Accumulator(Engine, KerasSaveable):
     """Accumulation state and its add / apply / reset rules, in Keras 3
-    variables (see :class:`~gradient_accumulator.engine.Engine`).
+    variables (see :class:`~gradient_accumulator.core.engine.Engine`).
 
     The state's home is the accumulator itself, never its host's weight
     lists (so a wrapped model's ``weights``, ``get_weights`` and
@@ -35,7 +35,7 @@ class Accumulator(Engine, KerasSaveable):
         track: if given, called with every variable the engine creates, so
             that the host tracks and saves it as its own.
         accum_steps, name, use_agc, clip_factor, eps, skip_update_fn: see
-            :class:`~gradient_accumulator.engine.Engine`.
+            :class:`~gradient_accumulator.core.engine.Engine`.
     """
 
     def __init__(

@@ -24,13 +24,13 @@ from gradient_accumulator._keras_compat import (
     track_variable,
 )
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.batch_statistics import (
+from gradient_accumulator.core.batch_statistics import (
     big_batch_moments,
     counts,
     micro_batch_sums,
 )
-from gradient_accumulator.engine import Binding
-from gradient_accumulator.validation import (
+from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.validation import (
     check_batch_norm_arguments,
     check_bool,
 )

@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Callable
 
 from gradient_accumulator._which_keras import other_keras
-from gradient_accumulator.validation import check_accum_steps
+from gradient_accumulator.core.validation import check_accum_steps
 
 
 @dataclasses.dataclass(frozen=True)

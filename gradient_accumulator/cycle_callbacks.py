@@ -8,7 +8,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Mapping
 
-from gradient_accumulator.validation import check_accum_steps
+from gradient_accumulator.core.validation import check_accum_steps
 
 
 def accumulating(model, hosts: tuple[type, type]):

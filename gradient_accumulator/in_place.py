@@ -11,8 +11,8 @@ import importlib
 from collections.abc import Callable
 
 from gradient_accumulator._which_keras import other_keras
-from gradient_accumulator.settings import SAVED, Settings
-from gradient_accumulator.validation import check_single_accumulation
+from gradient_accumulator.core.settings import SAVED, Settings
+from gradient_accumulator.core.validation import check_single_accumulation
 
 # Saved files name this loader, which rebuilds the model's own class first.
 LOADER = "gradient_accumulator>Accumulating"

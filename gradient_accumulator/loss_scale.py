@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import keras
 import tensorflow as tf
 
+from gradient_accumulator.core.dynamic_scale import cycle_hooks
 from gradient_accumulator.distributed import already_reduced
-from gradient_accumulator.dynamic_scale import cycle_hooks
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 

@@ -18,6 +18,7 @@ from gradient_accumulator._keras_compat import (
     Functional,
     GraphRunHook,
     all_layers,
+    apply_mask,
     call_has_training_arg,
     compute_loss,
     flat_losses,
@@ -28,9 +29,22 @@ from gradient_accumulator._keras_compat import (
 )
 from gradient_accumulator._which_keras import KERAS3
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.arithmetic import overwritten
 from gradient_accumulator.batch_norm import AccumBatchNormalization
-from gradient_accumulator.engine import Binding
+from gradient_accumulator.core.arithmetic import overwritten
+from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.saved_state import weight_names
+from gradient_accumulator.core.settings import Settings, model_settings
+from gradient_accumulator.core.split_gradients import micro_batch_gradients
+from gradient_accumulator.core.validation import (
+    check_single_accumulation,
+)
+from gradient_accumulator.core.weighting import (
+    at,
+    backward_share,
+    denominators,
+    loss_share,
+    sums_losses,
+)
 from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.loss_scale import (
     apply_gradients,
@@ -39,19 +53,6 @@ from gradient_accumulator.loss_scale import (
     scaler_of,
 )
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
-from gradient_accumulator.saved_state import weight_names
-from gradient_accumulator.settings import Settings, model_settings
-from gradient_accumulator.split_gradients import micro_batch_gradients
-from gradient_accumulator.validation import (
-    check_single_accumulation,
-)
-from gradient_accumulator.weighting import (
-    at,
-    backward_share,
-    denominators,
-    loss_share,
-    sums_losses,
-)
 
 _DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
 
@@ -651,8 +652,19 @@ class GradientAccumulateModel(GraphRunHook, keras.Model):
             return opens
 
         return denominators(
-            flat_losses(self), y_pred, sample_weight, _batch_size(x), opens
+            flat_losses(self),
+            y_pred,
+            sample_weight,
+            _batch_size(x),
+            opens,
+            merge_mask=_weights_under_mask,
         )
+
+
+def _weights_under_mask(weights, mask):
+    return apply_mask(
+        weights, mask, dtype="float32", reduction="mean_with_sample_weight"
+    )
 
 
 class _PartialCycles(PartialCycles, keras.callbacks.Callback):

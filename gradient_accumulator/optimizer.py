@@ -16,9 +16,15 @@ from gradient_accumulator._keras_compat import (
     optimizer_variable_tracker,
     wrapping_loss_scaler,
 )
-from gradient_accumulator._which_keras import TF_KERAS, keras_of
+from gradient_accumulator._which_keras import KERAS3, optimizer_wrapper_for
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.engine import Binding
+from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.validation import (
+    check_accum_steps,
+    check_single_accumulation,
+    take_optimizer_arguments,
+)
+from gradient_accumulator.core.weighting import backward_share, optimizer_weight
 from gradient_accumulator.loss_scale import (
     adopt,
     apply_gradients,
@@ -27,12 +33,6 @@ from gradient_accumulator.loss_scale import (
     scale_hooks,
     scaler_of,
 )
-from gradient_accumulator.validation import (
-    check_accum_steps,
-    check_single_accumulation,
-    take_optimizer_arguments,
-)
-from gradient_accumulator.weighting import backward_share, optimizer_weight
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -88,12 +88,9 @@ class GradientAccumulateOptimizer(keras.optimizers.Optimizer):
 
     def __new__(cls, optimizer="SGD", *args, **kwargs):
         # The optimizer handed in decides which Keras's wrapper wraps it.
-        if keras_of(optimizer) == TF_KERAS:
-            from gradient_accumulator.keras2.optimizer import (
-                GradientAccumulateOptimizer,
-            )
-
-            return GradientAccumulateOptimizer(optimizer, *args, **kwargs)
+        other = optimizer_wrapper_for(optimizer, KERAS3)
+        if other is not None:
+            return other(optimizer, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._which_keras import other_keras
-from gradient_accumulator.validation import check_accum_steps, check_positive_float
+from gradient_accumulator.core.validation import check_accum_steps, check_positive_float
 
 __all__ = ["Keras", "LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
 

@@ -39,7 +39,7 @@ OLD_NAMES = {
         "GradientAccumulateOptimizer",
         "get_gradients",
     ),
-    "gradient_accumulator.agc": (
+    "gradient_accumulator.core.agc": (
         "compute_norm",
         "unitwise_norm",
         "adaptive_clip_grad",
@@ -106,7 +106,7 @@ PROBE = """
 import json, sys, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    import gradient_accumulator, gradient_accumulator.agc
+    import gradient_accumulator, gradient_accumulator.core.agc
     quiet = [str(w.message) for w in caught if "0.5.x" in str(w.message)]
     loaded = sorted(m for m in %r if m in sys.modules)
     import gradient_accumulator.layers
@@ -116,7 +116,7 @@ print(json.dumps({"quiet": quiet, "loaded": loaded, "after": after}))
 
 
 def test_current_paths_do_not_warn():
-    """Importing the package (or ``gradient_accumulator.agc``, a current
+    """Importing the package (or ``gradient_accumulator.core.agc``, a current
     module) neither warns nor loads the old modules; in the same process the
     old path then does warn (so the probe can see a warning)."""
     result = run_script("-c", PROBE % sorted(DEPRECATED))
@@ -128,7 +128,7 @@ def test_current_paths_do_not_warn():
 
 def test_compute_norm_matches_numpy():
     """0.5.x's ``compute_norm(x, axis, keepdims)``: the L2 norm over ``axis``."""
-    from gradient_accumulator.agc import compute_norm
+    from gradient_accumulator.core.agc import compute_norm
 
     x = np.random.default_rng(0).normal(size=(3, 4, 5)).astype("float32")
     for axis, keepdims in [(None, False), (0, True), ([0, 1], True), (2, False)]:

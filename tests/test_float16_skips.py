@@ -6,7 +6,7 @@ Dividing each micro-batch's loss by its share of the cycle gives its
 backward pass the big batch's per-sample magnitudes, but a weight gradient is
 a sum over samples: over the micro-batch's own, which need not cancel as the
 big batch's do. Such a micro-batch's backward pass is recomputed at a
-smaller seed (``gradient_accumulator.overflow``) instead of its cycle being
+smaller seed (``gradient_accumulator.core.overflow``) instead of its cycle being
 skipped. References and tolerances are those of ``test_mixed_precision``.
 """
 
@@ -175,7 +175,7 @@ def test_retry_unscales_by_the_seed_it_used():
     """``finite_gradients`` returns the gradients of ``factor * target`` for
     the largest power-of-two ``factor`` at which they are finite, computed
     in float16 from one forward pass; None stays None."""
-    from gradient_accumulator.overflow import finite_gradients
+    from gradient_accumulator.core.overflow import finite_gradients
 
     w = tf.Variable([[3.0], [-3.0]])
     unused = tf.Variable(1.0)
@@ -209,7 +209,7 @@ def test_a_rescued_cycle_halves_the_scale_and_restarts_growth():
     """``on_apply(overflowed=True)`` halves the scale and restarts the count
     toward growth, as a skipped cycle does, but the update stands; without
     an overflow the scale grows after ``growth_steps`` updates."""
-    from gradient_accumulator.dynamic_scale import cycle_hooks
+    from gradient_accumulator.core.dynamic_scale import cycle_hooks
 
     scale, counter = tf.Variable(1024.0), tf.Variable(0, dtype=tf.int64)
     on_apply, _ = cycle_hooks(scale, counter, growth_steps=2)

@@ -364,7 +364,7 @@ def test_with_keras_mask():
     """The tf-keras model wrapper hands Keras' losses an output under another
     mask (``with_keras_mask``): the loss reads that mask, and gradients flow
     through to the output."""
-    from gradient_accumulator._tf_compat import with_keras_mask
+    from gradient_accumulator.core._tf_compat import with_keras_mask
 
     y_pred = tf.Variable([[1.0], [3.0]])
     mask = tf.constant([True, False])

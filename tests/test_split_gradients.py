@@ -7,8 +7,8 @@ overflow recomputed at a smaller seed)."""
 import numpy as np
 import tensorflow as tf
 
-from gradient_accumulator.split_gradients import micro_batch_gradients
-from gradient_accumulator.weighting import Denominator
+from gradient_accumulator.core.split_gradients import micro_batch_gradients
+from gradient_accumulator.core.weighting import Denominator
 
 
 def _group(terms, weight, count=1.0):

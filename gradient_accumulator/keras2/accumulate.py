@@ -11,9 +11,9 @@ import dataclasses
 import tf_keras
 
 from gradient_accumulator import in_place
+from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.keras2._compat import GLOBAL_CUSTOM_NAMES, config_as
 from gradient_accumulator.keras2.model import GradientAccumulateModel
-from gradient_accumulator.settings import Settings
 
 # The keyword settings of accumulate(): the tf-keras model wrapper's (it has
 # no in-step mode).

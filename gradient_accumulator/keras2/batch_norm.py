@@ -6,13 +6,13 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator.batch_statistics import (
+from gradient_accumulator.core.batch_statistics import (
     big_batch_moments,
     counts,
     micro_batch_sums,
 )
-from gradient_accumulator.engine import Binding, Engine
-from gradient_accumulator.validation import (
+from gradient_accumulator.core.engine import Binding, Engine
+from gradient_accumulator.core.validation import (
     check_batch_norm_arguments,
 )
 

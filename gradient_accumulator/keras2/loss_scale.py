@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tf_keras
 
-from gradient_accumulator.dynamic_scale import cycle_hooks
+from gradient_accumulator.core.dynamic_scale import cycle_hooks
 
 # LossScaleOptimizerV3 is the class tf-keras wraps a current optimizer in
 # (``compile`` under mixed_float16, or ``LossScaleOptimizer(optimizer)``).

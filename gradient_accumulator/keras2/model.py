@@ -10,9 +10,16 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator._which_keras import TF_KERAS
-from gradient_accumulator.engine import Binding
+from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
+from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.saved_state import weight_names
+from gradient_accumulator.core.settings import Settings, model_settings
+from gradient_accumulator.core.split_gradients import micro_batch_gradients
+from gradient_accumulator.core.validation import (
+    check_single_accumulation,
+)
+from gradient_accumulator.core.weighting import backward_share, denominators
 from gradient_accumulator.functional_variants import construct
 from gradient_accumulator.keras2._compat import (
     GLOBAL_CUSTOM_NAMES,
@@ -27,13 +34,6 @@ from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
 from gradient_accumulator.keras2.optimizers import apply_reduced
 from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
-from gradient_accumulator.saved_state import weight_names
-from gradient_accumulator.settings import Settings, model_settings
-from gradient_accumulator.split_gradients import micro_batch_gradients
-from gradient_accumulator.validation import (
-    check_single_accumulation,
-)
-from gradient_accumulator.weighting import backward_share, denominators
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")

@@ -11,8 +11,13 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator._which_keras import KERAS3, keras_of
-from gradient_accumulator.engine import Binding, Engine
+from gradient_accumulator._which_keras import TF_KERAS, optimizer_wrapper_for
+from gradient_accumulator.core.engine import Binding, Engine
+from gradient_accumulator.core.validation import (
+    check_accum_steps,
+    take_optimizer_arguments,
+)
+from gradient_accumulator.core.weighting import optimizer_weight
 from gradient_accumulator.keras2._compat import wrapping_loss_scaler
 from gradient_accumulator.keras2.loss_scale import adopt, scale_hooks
 from gradient_accumulator.keras2.optimizers import (
@@ -21,11 +26,6 @@ from gradient_accumulator.keras2.optimizers import (
     is_optimizer,
     state,
 )
-from gradient_accumulator.validation import (
-    check_accum_steps,
-    take_optimizer_arguments,
-)
-from gradient_accumulator.weighting import optimizer_weight
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -59,10 +59,9 @@ class GradientAccumulateOptimizer(tf_keras.optimizers.Optimizer):
 
     def __new__(cls, optimizer="SGD", *args, **kwargs):
         # The optimizer handed in decides which Keras's wrapper wraps it.
-        if keras_of(optimizer) == KERAS3:
-            from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-
-            return GradientAccumulateOptimizer(optimizer, *args, **kwargs)
+        other = optimizer_wrapper_for(optimizer, TF_KERAS)
+        if other is not None:
+            return other(optimizer, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -10,7 +10,10 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from gradient_accumulator._tf_compat import distributed_container, on_device_or_primary
+from gradient_accumulator.core._tf_compat import (
+    distributed_container,
+    on_device_or_primary,
+)
 
 
 def squared_norm(tensors: Sequence[tf.Tensor | None]) -> tf.Tensor:

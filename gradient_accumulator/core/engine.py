@@ -62,9 +62,12 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from gradient_accumulator import arithmetic, saved_state
-from gradient_accumulator.agc import adaptive_clip_grad
-from gradient_accumulator.validation import check_accum_steps, check_engine_settings
+from gradient_accumulator.core import arithmetic, saved_state
+from gradient_accumulator.core.agc import adaptive_clip_grad
+from gradient_accumulator.core.validation import (
+    check_accum_steps,
+    check_engine_settings,
+)
 
 ApplyFn = Callable[[list], None]
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from gradient_accumulator.arithmetic import minus, overwritten
-from gradient_accumulator.overflow import finite_gradients
-from gradient_accumulator.weighting import Denominator
+from gradient_accumulator.core.arithmetic import minus, overwritten
+from gradient_accumulator.core.overflow import finite_gradients
+from gradient_accumulator.core.weighting import Denominator
 
 
 @dataclasses.dataclass

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
-from gradient_accumulator.engine import Engine
-from gradient_accumulator.validation import (
+from gradient_accumulator.core.engine import Engine
+from gradient_accumulator.core.validation import (
     PARTIAL_CYCLE,
     check_accum_steps,
     check_bool,

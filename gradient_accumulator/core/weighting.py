@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from gradient_accumulator._tf_compat import keras_mask
+from gradient_accumulator.core._tf_compat import keras_mask
 
 _SUM_REDUCTIONS = ("sum", "none", None)
 
@@ -37,7 +37,7 @@ def _reduction(term):
     return getattr(term.loss, "reduction", "sum_over_batch_size")
 
 
-def _denominator(term, y_pred, sample_weight, batch):
+def _denominator(term, y_pred, sample_weight, batch, merge_mask):
     """``(key, D)``: the denominator ``D`` Keras divides this loss term by on
     a micro-batch, and a key that is equal for two terms exactly when their
     denominators are the same quantity up to a constant factor (one sum of
@@ -55,11 +55,9 @@ def _denominator(term, y_pred, sample_weight, batch):
         else sample_weight
     )
     if reduction == "mean_with_sample_weight" and weights is not None:
-        # Keras divides by the sum of the (masked) sample weights. Only Keras
-        # 3 has this reduction, so only its terms import it.
-        from gradient_accumulator._keras_compat import apply_mask
-
-        merged = apply_mask(weights, mask, dtype="float32", reduction=reduction)
+        # Keras divides by the sum of the (masked) sample weights; only Keras
+        # 3 has this reduction, and its host says how it merges the two.
+        merged = merge_mask(weights, mask)
         total = tf.reduce_sum(tf.cast(merged, tf.float32))
         return ("weights", _ref(mask), _ref(weights)), total
     if mask is not None:
@@ -93,7 +91,9 @@ def _order(key) -> int:
     return {"sum": 0, "samples": 1}.get(key if isinstance(key, str) else "", 2)
 
 
-def denominators(terms, y_pred, sample_weight, batch, opens_cycle) -> list[Denominator]:
+def denominators(
+    terms, y_pred, sample_weight, batch, opens_cycle, merge_mask=None
+) -> list[Denominator]:
     """The micro-batch's loss terms grouped by what the big batch divides
     them by, each group with the micro-batch's weight and count (the
     engine applies ``sum_k weight_k * g_k / sum_k count_k`` per group).
@@ -102,13 +102,16 @@ def denominators(terms, y_pred, sample_weight, batch, opens_cycle) -> list[Denom
     samples are counted); ``batch``: the micro-batch's number of samples;
     ``opens_cycle``: a function giving a bool tensor, True if this
     micro-batch opens its cycle (called only for summed terms, whose
-    cycle divides by 1). The first group is the one that should also carry
-    whatever the loss holds beyond the terms (see :func:`_order`).
+    cycle divides by 1); ``merge_mask(weights, mask)``: the sample weights
+    as Keras' ``"mean_with_sample_weight"`` reduction masks them (asked
+    only for terms with that reduction). The first group is the one that
+    should also carry whatever the loss holds beyond the terms (see
+    :func:`_order`).
     """
     batch = tf.cast(batch, tf.float32)
     if not terms:
         return [Denominator([], batch, batch)]
-    found = [_denominator(t, y_pred, sample_weight, batch) for t in terms]
+    found = [_denominator(t, y_pred, sample_weight, batch, merge_mask) for t in terms]
     keys: list = []
     for key, _ in found:
         if key not in keys:

@@ -1,0 +1,64 @@
+"""``gradient_accumulator/core`` imports no Keras: every module in the folder
+is read (not imported) and may import only the standard library,
+TensorFlow, NumPy and other modules of the folder. A Keras import there
+would tie the engine to one Keras; an import of a host would make the
+hosts' and the core's change one change."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[1] / "gradient_accumulator" / "core"
+MODULES = sorted(CORE.glob("*.py"))
+ALLOWED = {"tensorflow", "numpy", "gradient_accumulator"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at its top or inside a function, with
+    ``from gradient_accumulator import x`` read as ``gradient_accumulator.x``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found |= (
+                set(names) if node.module == "gradient_accumulator" else {node.module}
+            )
+    return found
+
+
+def test_the_core_folder_holds_the_engine_and_its_rules():
+    names = {p.stem for p in MODULES}
+    assert {"engine", "settings", "weighting", "arithmetic"} <= names, names
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_core_module_imports_no_keras_and_no_host(path):
+    for module in _imports(path):
+        top = module.split(".")[0]
+        if top == "gradient_accumulator":
+            inside = module.split(".")[:2] == ["gradient_accumulator", "core"]
+            assert inside, (
+                f"{path.name} imports {module}, outside gradient_accumulator/core"
+            )
+        else:
+            assert top in ALLOWED or top in sys.stdlib_module_names, (
+                f"{path.name} imports {module}"
+            )
+
+
+def test_the_check_sees_a_keras_import(tmp_path):
+    """Non-vacuity: the reader finds imports at the top, inside functions
+    and relative to the package."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import keras\n"
+        "def f():\n    from tf_keras import layers\n"
+        "from gradient_accumulator import model\n"
+    )
+    assert {"keras", "tf_keras", "gradient_accumulator.model"} <= _imports(source)
