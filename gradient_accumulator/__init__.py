@@ -17,14 +17,14 @@ import os
 import sys
 import types
 
+from gradient_accumulator._requirements import check_installed, legacy_keras_requested
 from gradient_accumulator._version import __version__
-from gradient_accumulator._versions import check_installed, legacy_keras_requested
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
     "AccumBatchNormalization": "batch_norm",
     "AccumulationScheduler": "callbacks",
-    "Accumulator": "accumulator",
+    "Accumulator": "tracked_engine",
     "FlushPartialCycle": "callbacks",
     "GradientAccumulateModel": "model",
     "GradientAccumulateOptimizer": "optimizer",

@@ -1,5 +1,5 @@
 """Fails at import, in one line, unless TensorFlow, Keras and the backend fit
-(the ranges are in ``_versions``); imported by the modules that use Keras.
+(the ranges are in ``_requirements``); imported by the modules that use Keras.
 
 Under ``TF_USE_LEGACY_KERAS`` (``_versions.legacy_keras_requested``) it checks
 TensorFlow and tf-keras instead, and imports no Keras 3: TensorFlow itself
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 
-from gradient_accumulator._versions import (  # noqa: F401  (the ranges, here too)
+from gradient_accumulator._requirements import (  # noqa: F401  (the ranges, here too)
     INSTALL_HINT,
     KERAS_BELOW,
     KERAS_MIN,

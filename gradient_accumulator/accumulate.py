@@ -18,9 +18,9 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from gradient_accumulator import in_place
 from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.hosts import in_place
 from gradient_accumulator.model import GradientAccumulateModel
 
 KERAS = in_place.Keras(

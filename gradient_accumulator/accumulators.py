@@ -9,7 +9,7 @@ from collections.abc import Iterable
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
-from gradient_accumulator._compat import warn_moved
+from gradient_accumulator._moved_paths import warn_moved
 
 warn_moved(
     __name__,

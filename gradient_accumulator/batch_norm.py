@@ -23,7 +23,6 @@ from gradient_accumulator._keras_compat import (
     clone_initializer,
     track_variable,
 )
-from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.core.batch_statistics import (
     big_batch_moments,
     counts,
@@ -34,6 +33,7 @@ from gradient_accumulator.core.validation import (
     check_batch_norm_arguments,
     check_bool,
 )
+from gradient_accumulator.tracked_engine import Accumulator
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
 # layer does not implement (its moving statistics are not averages of batch

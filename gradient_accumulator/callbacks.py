@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator import cycle_callbacks
+from gradient_accumulator.hosts import training_control
 
 
 def _hosts() -> tuple[type, type]:
@@ -18,10 +18,10 @@ def accumulating(model: keras.Model):
     """The object that owns ``model``'s accumulation: the model itself if it is
     a ``GradientAccumulateModel``, else its ``GradientAccumulateOptimizer``
     (also inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    return cycle_callbacks.accumulating(model, _hosts())
+    return training_control.accumulating(model, _hosts())
 
 
-class AccumulationScheduler(cycle_callbacks.SchedulerLogic, keras.callbacks.Callback):
+class AccumulationScheduler(training_control.SchedulerLogic, keras.callbacks.Callback):
     """Changes ``accum_steps`` during training (batch-size warm-up).
 
     ``schedule`` is either a mapping ``{epoch: accum_steps}`` (from that epoch
@@ -52,7 +52,7 @@ class AccumulationScheduler(cycle_callbacks.SchedulerLogic, keras.callbacks.Call
     _hosts = staticmethod(_hosts)
 
 
-class FlushPartialCycle(cycle_callbacks.FlushLogic, keras.callbacks.Callback):
+class FlushPartialCycle(training_control.FlushLogic, keras.callbacks.Callback):
     """Flushes (or drops) an incomplete accumulation cycle at every epoch end
     and at the end of training.
 

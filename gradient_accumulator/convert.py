@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator import conversion
 from gradient_accumulator._keras_compat import Functional
 from gradient_accumulator.batch_norm import AccumBatchNormalization
+from gradient_accumulator.hosts import replace_layers
 from gradient_accumulator.model import GradientAccumulateModel
 
-KERAS = conversion.Keras(
+KERAS = replace_layers.Keras(
     package="keras",
     model=keras.Model,
     graph_models=(keras.Sequential, Functional),
@@ -51,4 +51,4 @@ def replace_batchnorm_layers(
         The converted model, compiled like ``model`` if ``model`` was.
         Subclasses of ``BatchNormalization`` are copied unchanged.
     """
-    return conversion.replace(KERAS, model, accum_steps, position)
+    return replace_layers.replace(KERAS, model, accum_steps, position)

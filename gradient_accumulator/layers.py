@@ -3,7 +3,7 @@ AccumBatchNormalization`` (the Keras 3 or the tf-keras layer, as the package's
 public name is)."""
 
 from gradient_accumulator import AccumBatchNormalization
-from gradient_accumulator._compat import warn_moved
+from gradient_accumulator._moved_paths import warn_moved
 
 warn_moved(__name__, "gradient_accumulator (gradient_accumulator.batch_norm)")
 

@@ -28,7 +28,6 @@ from gradient_accumulator._keras_compat import (
     unscale_loss_for_distribution,
 )
 from gradient_accumulator._which_keras import KERAS3
-from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.core.arithmetic import overwritten
 from gradient_accumulator.core.engine import Binding
@@ -45,14 +44,18 @@ from gradient_accumulator.core.weighting import (
     loss_share,
     sums_losses,
 )
-from gradient_accumulator.functional_variants import construct
+from gradient_accumulator.hosts.functional_variants import construct
+from gradient_accumulator.hosts.partial_cycles import (
+    PartialCycles,
+    fit_with_partial_cycles,
+)
 from gradient_accumulator.loss_scale import (
     apply_gradients,
     loss_scale,
     scale_hooks,
     scaler_of,
 )
-from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
+from gradient_accumulator.tracked_engine import Accumulator
 
 _DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
 
@@ -668,7 +671,7 @@ def _weights_under_mask(weights, mask):
 
 
 class _PartialCycles(PartialCycles, keras.callbacks.Callback):
-    """:class:`~gradient_accumulator.partial_cycles.PartialCycles` for Keras 3."""
+    """``hosts.partial_cycles.PartialCycles`` for Keras 3."""
 
 
 _functional_variants: dict[type, type] = {}

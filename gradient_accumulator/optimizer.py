@@ -17,7 +17,6 @@ from gradient_accumulator._keras_compat import (
     wrapping_loss_scaler,
 )
 from gradient_accumulator._which_keras import KERAS3, optimizer_wrapper_for
-from gradient_accumulator.accumulator import Accumulator
 from gradient_accumulator.core.engine import Binding
 from gradient_accumulator.core.validation import (
     check_accum_steps,
@@ -33,6 +32,7 @@ from gradient_accumulator.loss_scale import (
     scale_hooks,
     scaler_of,
 )
+from gradient_accumulator.tracked_engine import Accumulator
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")

@@ -7,7 +7,7 @@ package's public names are).
 """
 
 from gradient_accumulator import AccumBatchNormalization, replace_batchnorm_layers
-from gradient_accumulator._compat import warn_moved
+from gradient_accumulator._moved_paths import warn_moved
 
 warn_moved(
     __name__, "gradient_accumulator (gradient_accumulator.batch_norm and .convert)"

@@ -4,7 +4,7 @@ Trains the model two ways from the same initial weights on the same samples in
 the same order — plain Keras with the big batch
 (``micro_batch_size * accum_steps``) and ``GradientAccumulateModel`` with the
 micro-batch — and compares every variable, layer by layer
-(``gradient_accumulator.verification`` does it for both Kerases).
+(``gradient_accumulator.hosts.equivalence`` does it for both Kerases).
 """
 
 from __future__ import annotations
@@ -14,12 +14,16 @@ from typing import Any
 
 import keras
 
-from gradient_accumulator import verification
 from gradient_accumulator._keras_compat import all_layers
 from gradient_accumulator.batch_norm import AccumBatchNormalization
+from gradient_accumulator.hosts import equivalence
+from gradient_accumulator.hosts.equivalence import (
+    LayerCheck,
+    VariableCheck,
+    VerifyReport,
+)
 from gradient_accumulator.model import GradientAccumulateModel
 from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-from gradient_accumulator.verification import LayerCheck, VariableCheck, VerifyReport
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
 
@@ -31,7 +35,7 @@ def _new_optimizer(spec: Any) -> keras.optimizers.Optimizer:
     return keras.optimizers.deserialize(keras.optimizers.serialize(spec))
 
 
-KERAS = verification.Keras(
+KERAS = equivalence.Keras(
     package="keras",
     model=keras.Model,
     wrapper=GradientAccumulateModel,
@@ -125,4 +129,4 @@ def verify(
         "seed": seed,
         "callbacks": callbacks,
     }
-    return verification.run(KERAS, model_fn, x, y, options)
+    return equivalence.run(KERAS, model_fn, x, y, options)

@@ -2,7 +2,7 @@
 
 ``pytest tests`` runs the Keras 3 suite, or, where TensorFlow routes
 ``tf.keras`` to tf-keras (``TF_USE_LEGACY_KERAS``, told as
-``gradient_accumulator._versions.legacy_keras_requested`` tells it), only
+``gradient_accumulator._requirements.legacy_keras_requested`` tells it), only
 ``tests/keras2``, which sets up its own session: this file then imports
 neither Keras 3 nor TensorFlow, and its Keras 3 fixture does not exist.
 """
@@ -22,10 +22,10 @@ LEGACY_TESTS = "keras2"  # the tf-keras tests' directory, beside this file
 
 
 def _versions_module():
-    """``gradient_accumulator/_versions.py`` (standard library only), loaded
-    from its file: importing it as ``gradient_accumulator._versions`` would
+    """``gradient_accumulator/_requirements.py`` (standard library only), loaded
+    from its file: importing it as ``gradient_accumulator._requirements`` would
     run the package's ``__init__``, which imports TensorFlow and the hosts."""
-    path = HERE.parent / "gradient_accumulator" / "_versions.py"
+    path = HERE.parent / "gradient_accumulator" / "_requirements.py"
     spec = importlib.util.spec_from_file_location("_ga_versions_conftest", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

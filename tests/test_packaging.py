@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 import gradient_accumulator
-from gradient_accumulator import _versions
+from gradient_accumulator import _requirements
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds per child process; subprocess.run kills it on expiry
@@ -170,7 +170,7 @@ def test_wheel_metadata_has_the_extras_and_no_tensorflow(dist):
     reqs = [Requirement(line) for line in metadata.get_all("Requires-Dist")]
     assert {r.name for r in reqs if r.marker is None} == {"keras", "numpy"}
     (tf_keras,) = [r for r in reqs if r.name == "tf-keras"]
-    assert tf_keras.specifier == SpecifierSet(_versions.TF_KERAS_SPEC)
+    assert tf_keras.specifier == SpecifierSet(_requirements.TF_KERAS_SPEC)
     assert tf_keras.marker is not None
     assert tf_keras.marker.evaluate({"extra": "tf-keras"})
     for other in extras - {"tf-keras"}:

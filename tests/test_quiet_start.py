@@ -276,7 +276,7 @@ def test_package_exports_every_public_name():
 CONFIGURE_AFTER_IMPORT = r"""
 import importlib, pkgutil
 import gradient_accumulator as ga
-from gradient_accumulator._versions import legacy_keras_requested
+from gradient_accumulator._requirements import legacy_keras_requested
 
 legacy = legacy_keras_requested()
 for name in ga.__all__:

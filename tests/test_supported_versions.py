@@ -1,6 +1,6 @@
 """The supported TensorFlow/Keras/tf-keras/Python range: one definition, enforced.
 
-``gradient_accumulator/_versions.py`` defines the ranges (``_backend``
+``gradient_accumulator/_requirements.py`` defines the ranges (``_backend``
 re-exports them) and they are checked at import; ``setup.cfg`` must say the
 same to pip, and ``.ci/run``'s lowest-pair step must install the lowest
 claimed pair (``.ci/lowest-pair.txt``) and run the files listed in
@@ -31,7 +31,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 import gradient_accumulator
-from gradient_accumulator import _backend, _versions
+from gradient_accumulator import _backend, _requirements
 from gradient_accumulator._backend import check_legacy_versions, check_versions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,7 +161,7 @@ def test_legacy_keras_requested_is_tensorflows_own_decision(value, monkeypatch):
     loader._initialize()
     routes_to_tf_keras = loader._tfll_keras_version == "tf_keras"
     assert loader._tfll_keras_version in ("tf_keras", "keras_3")
-    assert _versions.legacy_keras_requested() is routes_to_tf_keras
+    assert _requirements.legacy_keras_requested() is routes_to_tf_keras
     assert routes_to_tf_keras is (value in LEGACY_TRUE)
 
 
@@ -179,7 +179,7 @@ def test_tensorflow_source_tests_the_same_values(module):
     reads = len(re.findall(r"""["']TF_USE_LEGACY_KERAS["']""", source))
     tests = LEGACY_TEST.findall(source)
     assert tests, module
-    assert {ast.literal_eval(t) for t in tests} == {_versions.LEGACY_KERAS_VALUES}
+    assert {ast.literal_eval(t) for t in tests} == {_requirements.LEGACY_KERAS_VALUES}
     assert len(tests) == reads, module  # no other reading of the variable
 
 
@@ -208,10 +208,10 @@ def test_check_installed_requires_tf_keras_not_keras3_in_legacy_mode(
     monkeypatch.setitem(sys.modules, "tf_keras", fake_module(tf_keras))
     monkeypatch.setitem(sys.modules, "keras", fake_module(keras_version))
     if error is None:
-        _versions.check_installed()
+        _requirements.check_installed()
     else:
         with pytest.raises(ImportError, match=re.escape(error)) as raised:
-            _versions.check_installed()
+            _requirements.check_installed()
         assert f"found tensorflow {tf.__version__}, " in str(raised.value)
 
 
@@ -271,7 +271,7 @@ def test_tf_keras_range_follows_tensorflows():
     """tf-keras 2.X requires tensorflow 2.X: one lower bound for both."""
     assert _backend.TF_KERAS_MIN == _backend.TENSORFLOW_MIN
     assert _backend.TF_KERAS_BELOW == _backend.TENSORFLOW_BELOW
-    assert SpecifierSet(_versions.TF_KERAS_SPEC) == TF_KERAS_SPEC
+    assert SpecifierSet(_requirements.TF_KERAS_SPEC) == TF_KERAS_SPEC
 
 
 def test_the_running_pair_is_in_range():

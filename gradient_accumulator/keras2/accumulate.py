@@ -1,7 +1,7 @@
 """``accumulate`` for tf-keras: make a tf-keras model you already have (a
 ``Sequential``, a functional model, a subclass, one loaded from a file)
 accumulate, keeping its class; ``stop_accumulating`` gives its class back.
-As the Keras 3 ``accumulate`` (``gradient_accumulator.in_place`` does both),
+As the Keras 3 ``accumulate`` (``gradient_accumulator.hosts.in_place`` does both),
 with the tf-keras ``GradientAccumulateModel``'s settings."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import dataclasses
 
 import tf_keras
 
-from gradient_accumulator import in_place
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.hosts import in_place
 from gradient_accumulator.keras2._compat import GLOBAL_CUSTOM_NAMES, config_as
 from gradient_accumulator.keras2.model import GradientAccumulateModel
 

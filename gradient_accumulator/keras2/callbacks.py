@@ -1,12 +1,12 @@
 """The cycle-control callbacks for tf-keras: ``tf.keras.callbacks.Callback``
 subclasses (where ``tf.keras`` is tf-keras) with the Keras 3 ones' arguments
-and behaviour (the logic is ``gradient_accumulator.cycle_callbacks``)."""
+and behaviour (the logic is ``gradient_accumulator.hosts.training_control``)."""
 
 from __future__ import annotations
 
 import tf_keras
 
-from gradient_accumulator import cycle_callbacks
+from gradient_accumulator.hosts import training_control
 
 
 def _hosts() -> tuple[type, type]:
@@ -17,7 +17,7 @@ def _hosts() -> tuple[type, type]:
 
 
 class AccumulationScheduler(
-    cycle_callbacks.SchedulerLogic, tf_keras.callbacks.Callback
+    training_control.SchedulerLogic, tf_keras.callbacks.Callback
 ):
     """Changes ``accum_steps`` during ``fit`` of a tf-keras
     ``GradientAccumulateModel``, or of a model compiled with a tf-keras
@@ -49,7 +49,7 @@ class AccumulationScheduler(
     _hosts = staticmethod(_hosts)
 
 
-class FlushPartialCycle(cycle_callbacks.FlushLogic, tf_keras.callbacks.Callback):
+class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback):
     """Flushes (``mode="flush"``) or drops (``mode="drop"``) an incomplete
     cycle at every epoch end (``every_epoch=True``) or only when ``fit``
     ends, before tf-keras swaps EMA weights in. For models compiled with a

@@ -1,12 +1,12 @@
 """``replace_batchnorm_layers`` for tf-keras: a copy of a tf-keras model whose
-BatchNormalization layers accumulate (``gradient_accumulator.conversion``
+BatchNormalization layers accumulate (``gradient_accumulator.hosts.replace_layers``
 does it for both Kerases)."""
 
 from __future__ import annotations
 
 import tf_keras
 
-from gradient_accumulator import conversion
+from gradient_accumulator.hosts import replace_layers
 from gradient_accumulator.keras2._compat import Functional
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.model import GradientAccumulateModel
@@ -49,7 +49,7 @@ def _config(layer) -> dict:
     return {"axis": axis, "fused": layer.fused}
 
 
-KERAS = conversion.Keras(
+KERAS = replace_layers.Keras(
     package="tf_keras",
     model=tf_keras.Model,
     graph_models=(Functional,),  # Sequential models included
@@ -89,4 +89,4 @@ def replace_batchnorm_layers(
     >>> type(replace_batchnorm_layers(model).layers[0]).__name__
     'AccumBatchNormalization'
     """
-    return conversion.replace(KERAS, model, accum_steps, position)
+    return replace_layers.replace(KERAS, model, accum_steps, position)

@@ -20,7 +20,11 @@ from gradient_accumulator.core.validation import (
     check_single_accumulation,
 )
 from gradient_accumulator.core.weighting import backward_share, denominators
-from gradient_accumulator.functional_variants import construct
+from gradient_accumulator.hosts.functional_variants import construct
+from gradient_accumulator.hosts.partial_cycles import (
+    PartialCycles,
+    fit_with_partial_cycles,
+)
 from gradient_accumulator.keras2._compat import (
     GLOBAL_CUSTOM_NAMES,
     Functional,
@@ -31,9 +35,8 @@ from gradient_accumulator.keras2._compat import (
     untrack_state,
 )
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
+from gradient_accumulator.keras2.inner_optimizers import apply_reduced
 from gradient_accumulator.keras2.loss_scale import scale_hooks, scaler_of
-from gradient_accumulator.keras2.optimizers import apply_reduced
-from gradient_accumulator.partial_cycles import PartialCycles, fit_with_partial_cycles
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -445,7 +448,7 @@ def _is_tensor_structure(value) -> bool:
 
 
 class _PartialCycles(PartialCycles, tf_keras.callbacks.Callback):
-    """:class:`~gradient_accumulator.partial_cycles.PartialCycles` for tf-keras."""
+    """``hosts.partial_cycles.PartialCycles`` for tf-keras."""
 
 
 def _dividable(y_pred):

@@ -19,13 +19,13 @@ from gradient_accumulator.core.validation import (
 )
 from gradient_accumulator.core.weighting import optimizer_weight
 from gradient_accumulator.keras2._compat import wrapping_loss_scaler
-from gradient_accumulator.keras2.loss_scale import adopt, scale_hooks
-from gradient_accumulator.keras2.optimizers import (
+from gradient_accumulator.keras2.inner_optimizers import (
     LegacyOptimizer,
     apply_reduced,
     is_optimizer,
     state,
 )
+from gradient_accumulator.keras2.loss_scale import adopt, scale_hooks
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")

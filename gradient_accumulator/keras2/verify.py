@@ -1,6 +1,6 @@
 """``verify`` for tf-keras: does accumulation reproduce big-batch training on
 your tf-keras model? As the Keras 3 ``verify``
-(``gradient_accumulator.verification`` does it for both Kerases)."""
+(``gradient_accumulator.hosts.equivalence`` does it for both Kerases)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,16 @@ from typing import Any
 
 import tf_keras
 
-from gradient_accumulator import verification
+from gradient_accumulator.hosts import equivalence
+from gradient_accumulator.hosts.equivalence import (
+    LayerCheck,
+    VariableCheck,
+    VerifyReport,
+)
 from gradient_accumulator.keras2._compat import draws_random
 from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.model import GradientAccumulateModel
 from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
-from gradient_accumulator.verification import LayerCheck, VariableCheck, VerifyReport
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
 
@@ -33,7 +37,7 @@ def _sublayers(layer) -> list:
     return [layer, *nested]
 
 
-KERAS = verification.Keras(
+KERAS = equivalence.Keras(
     package="tf_keras",
     model=tf_keras.Model,
     wrapper=GradientAccumulateModel,
@@ -82,4 +86,4 @@ def verify(
     >>> report.ok
     True
     """
-    return verification.run(KERAS, model_fn, x, y, options)
+    return equivalence.run(KERAS, model_fn, x, y, options)
