@@ -18,7 +18,7 @@ from gradient_accumulator._keras_compat import (
 )
 from gradient_accumulator._which_keras import KERAS3, optimizer_wrapper_for
 from gradient_accumulator.accumulator import Accumulator
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.validation import (
     check_accum_steps,
     check_single_accumulation,
