@@ -28,7 +28,7 @@ from gradient_accumulator.core.batch_statistics import (
     counts,
     micro_batch_sums,
 )
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.validation import (
     check_batch_norm_arguments,
     check_bool,

@@ -30,7 +30,7 @@ from gradient_accumulator._keras_compat import (
 from gradient_accumulator._which_keras import KERAS3
 from gradient_accumulator.batch_norm import AccumBatchNormalization
 from gradient_accumulator.core.arithmetic import overwritten
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.split_gradients import micro_batch_gradients

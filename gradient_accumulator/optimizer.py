@@ -17,7 +17,7 @@ from gradient_accumulator._keras_compat import (
     wrapping_loss_scaler,
 )
 from gradient_accumulator._which_keras import KERAS3, optimizer_wrapper_for
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.validation import (
     check_accum_steps,
     check_single_accumulation,

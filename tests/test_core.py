@@ -62,3 +62,41 @@ def test_the_check_sees_a_keras_import(tmp_path):
         "from gradient_accumulator import model\n"
     )
     assert {"keras", "tf_keras", "gradient_accumulator.model"} <= _imports(source)
+
+
+# The project's size limits: a module, a class or a function past them is
+# split (the engine was, into cycle_end, reduce, engine_state and links).
+LIMITS = {"module": 600, "class": 400, "function": 80}
+
+
+def _sizes(path: Path) -> list[tuple[str, str, int]]:
+    """``(kind, name, lines)`` for the module and each class and function
+    in it, nested ones included."""
+    source = path.read_text(encoding="utf-8")
+    sizes = [("module", path.name, len(source.splitlines()))]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ClassDef):
+            kind = "class"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kind = "function"
+        else:
+            continue
+        sizes.append((kind, node.name, node.end_lineno - node.lineno + 1))
+    return sizes
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: p.name)
+def test_core_module_keeps_the_size_limits(path):
+    over = [
+        f"{kind} {name}: {lines} lines (at most {LIMITS[kind]})"
+        for kind, name, lines in _sizes(path)
+        if lines > LIMITS[kind]
+    ]
+    assert not over, f"{path.name}: " + "; ".join(over)
+
+
+def test_the_size_check_sees_a_long_function(tmp_path):
+    """Non-vacuity: a function's size counts its every line."""
+    source = tmp_path / "m.py"
+    source.write_text("def f():\n" + "    x = 1\n" * 81)
+    assert ("function", "f", 82) in _sizes(source)

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from gradient_accumulator._keras_compat import track_variable
 from gradient_accumulator.core.arithmetic import squared_norm
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.tracked_engine import Accumulator
 
 MODES = ["eager", "function"]

@@ -11,7 +11,8 @@ from gradient_accumulator.core.batch_statistics import (
     counts,
     micro_batch_sums,
 )
-from gradient_accumulator.core.engine import Binding, Engine
+from gradient_accumulator.core.engine import Engine
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.validation import (
     check_batch_norm_arguments,
 )

@@ -12,7 +12,7 @@ import tf_keras
 
 from gradient_accumulator._which_keras import TF_KERAS
 from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
-from gradient_accumulator.core.engine import Binding
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.split_gradients import micro_batch_gradients

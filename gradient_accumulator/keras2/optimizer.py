@@ -12,7 +12,8 @@ import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator._which_keras import TF_KERAS, optimizer_wrapper_for
-from gradient_accumulator.core.engine import Binding, Engine
+from gradient_accumulator.core.engine import Engine
+from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.validation import (
     check_accum_steps,
     take_optimizer_arguments,
