@@ -83,11 +83,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from gradient_accumulator import (
-    GradientAccumulateModel,
-    GradientAccumulateOptimizer,
-    arithmetic,
-)
+from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator.core import arithmetic
 
 VARIANTS = ("plain", "ours-model", "ours-optimizer", "keras-builtin")
 PROBE = "ours-model-unchecked"  # --probe-unchecked

@@ -431,7 +431,7 @@ def probe_patch(variant: str):
     constants (``probe-constant-logs``) or its sum of squares is a constant
     0, so the update is gated by a constant predicate (``probe-unchecked``)."""
     if variant == "probe-constant-logs":
-        from gradient_accumulator import engine
+        from gradient_accumulator.core import engine
 
         owner, name = engine.Engine, "logs"
         original = owner.logs
@@ -439,7 +439,7 @@ def probe_patch(variant: str):
             key: tf.constant(0.0) for key in original(self)
         }
     elif variant == "probe-unchecked":
-        from gradient_accumulator import arithmetic
+        from gradient_accumulator.core import arithmetic
 
         owner, name = arithmetic, "squared_norm"
         value = lambda tensors: tf.constant(0.0)  # noqa: E731
@@ -689,7 +689,7 @@ def _listed(counter: collections.Counter) -> str:
 
 def available_probes() -> list[str]:
     """The probes whose patched names this package version has."""
-    from gradient_accumulator import arithmetic, engine
+    from gradient_accumulator.core import arithmetic, engine
 
     found = []
     for probe, owner, name in (
