@@ -52,6 +52,28 @@ def test_core_module_imports_no_keras_and_no_host(path):
             )
 
 
+HOSTS = CORE.parent / "hosts"
+# What the hosts, written once for every Keras, may import of the package:
+# the core, each other, and the table that tells an object's Keras.
+HOST_IMPORTS = ("core", "hosts", "_which_keras")
+
+
+@pytest.mark.parametrize("path", sorted(HOSTS.glob("*.py")), ids=lambda p: p.name)
+def test_host_module_imports_no_keras(path):
+    """A host learns its Keras from the flavour record it is given, never by
+    importing one: that is what makes it one host for every Keras."""
+    for module in _imports(path):
+        parts = module.split(".")
+        if parts[0] == "gradient_accumulator":
+            assert len(parts) > 1 and parts[1] in HOST_IMPORTS, (
+                f"hosts/{path.name} imports {module}"
+            )
+        else:
+            assert parts[0] in ALLOWED or parts[0] in sys.stdlib_module_names, (
+                f"hosts/{path.name} imports {module}"
+            )
+
+
 def test_the_check_sees_a_keras_import(tmp_path):
     """Non-vacuity: the reader finds imports at the top, inside functions
     and relative to the package."""
