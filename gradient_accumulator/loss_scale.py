@@ -22,6 +22,7 @@ Two layouts reach here:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import keras
@@ -29,13 +30,13 @@ import tensorflow as tf
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
 from gradient_accumulator.distributed import already_reduced
+from gradient_accumulator.hosts import loss_scale as host
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
-
-def scaler_of(optimizer) -> LossScaleOptimizer | None:
-    """``optimizer`` if it keeps a dynamic loss scale, else None."""
-    return optimizer if isinstance(optimizer, LossScaleOptimizer) else None
+# ``scaler_of(optimizer)``: ``optimizer`` if it keeps a dynamic loss scale
+# (a LossScaleOptimizer), else None.
+scaler_of = functools.partial(host.scaler_of, LossScaleOptimizer)
 
 
 def loss_scale(optimizer) -> tf.Tensor | None:
@@ -47,8 +48,7 @@ def loss_scale(optimizer) -> tf.Tensor | None:
 
 def apply_gradients(optimizer, grads: Sequence, variables: Sequence) -> None:
     """Applies unscaled, accumulated, replica-summed ``grads`` (replica context)."""
-    if isinstance(optimizer, LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
+    optimizer = host.applying(LossScaleOptimizer, optimizer)
     with already_reduced(optimizer):
         optimizer.apply(list(grads), list(variables))
 
@@ -115,9 +115,7 @@ class CycleLossScaleOptimizer(LossScaleOptimizer):
 
 
 # Saved files name Keras' class, which adopt() turns into this one on load.
-CycleLossScaleOptimizer.__name__ = LossScaleOptimizer.__name__
-CycleLossScaleOptimizer.__qualname__ = LossScaleOptimizer.__qualname__
-CycleLossScaleOptimizer.__module__ = LossScaleOptimizer.__module__
+host.saves_as(CycleLossScaleOptimizer, LossScaleOptimizer)
 
 
 def keras_apply(scaler, grads, trainable_variables=None):
@@ -125,14 +123,11 @@ def keras_apply(scaler, grads, trainable_variables=None):
     return LossScaleOptimizer.apply(scaler, grads, trainable_variables)
 
 
-def adopt(scaler) -> None:
-    """Makes ``scaler``, a LossScaleOptimizer that wraps an accumulating
-    optimizer, hand whole cycles to it (this instance only)."""
-    if type(scaler) is LossScaleOptimizer:
-        scaler.__class__ = CycleLossScaleOptimizer
-    elif not isinstance(scaler, CycleLossScaleOptimizer):
-        raise TypeError(
-            "GradientAccumulateOptimizer can be wrapped in Keras' "
-            "LossScaleOptimizer, not in a subclass of it: "
-            f"{type(scaler).__name__}."
-        )
+# ``adopt(scaler)``: makes ``scaler``, a LossScaleOptimizer that wraps an
+# accumulating optimizer, hand whole cycles to it (this instance only).
+adopt = functools.partial(
+    host.adopt,
+    LossScaleOptimizer,
+    CycleLossScaleOptimizer,
+    ("GradientAccumulateOptimizer", "Keras"),
+)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import keras
-import tensorflow as tf
 
 from gradient_accumulator._keras_compat import KerasSaveable
 from gradient_accumulator.core.engine import Engine
+from gradient_accumulator.core.settings import Settings
 
 
 class Accumulator(Engine, KerasSaveable):
@@ -32,30 +32,21 @@ class Accumulator(Engine, KerasSaveable):
     passes ``track``.
 
     Args:
+        settings: see :class:`~gradient_accumulator.core.engine.Engine` (an
+            ``int`` with keywords is taken as there).
         track: if given, called with every variable the engine creates, so
             that the host tracks and saves it as its own.
-        accum_steps, name, use_agc, clip_factor, eps, skip_update_fn: see
-            :class:`~gradient_accumulator.core.engine.Engine`.
+        name: see :class:`~gradient_accumulator.core.engine.Engine`.
     """
 
     def __init__(
         self,
-        accum_steps: int,
+        settings: Settings | int,
         track: Callable[[keras.Variable], None] | None = None,
         name: str = "accumulator",
-        use_agc: bool = False,
-        clip_factor: float = 0.01,
-        eps: float = 1e-3,
-        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
+        **engine_settings,
     ):
-        super().__init__(
-            accum_steps,
-            name=name,
-            use_agc=use_agc,
-            clip_factor=clip_factor,
-            eps=eps,
-            skip_update_fn=skip_update_fn,
-        )
+        super().__init__(settings, name=name, **engine_settings)
         self._track = track
 
     def _make_variable(self, name, shape, dtype, initializer, **kwargs):
@@ -75,7 +66,7 @@ class Accumulator(Engine, KerasSaveable):
         return variable
 
     def _new_part(self, name: str) -> Accumulator:
-        return Accumulator(self.initial_accum_steps, track=self._track, name=name)
+        return Accumulator(self._part_settings(), track=self._track, name=name)
 
     # ----------------------------------------------------------- Keras saving
     def _obj_type(self) -> str:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from gradient_accumulator.core.settings import Settings
+
 # Below this gradient norm a unit is never scaled (avoids dividing by ~0).
 _MIN_GRAD_NORM = 1e-6
 
@@ -47,8 +49,8 @@ def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
 def adaptive_clip_grad(
     parameters: Sequence,
     gradients: Sequence,
-    clip_factor: float = 0.01,
-    eps: float = 1e-3,
+    clip_factor: float = Settings.clip_factor,
+    eps: float = Settings.eps,
 ) -> list:
     """Returns ``gradients`` clipped unit-wise relative to ``parameters``.
 

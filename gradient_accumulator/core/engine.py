@@ -82,10 +82,8 @@ import tensorflow as tf
 
 from gradient_accumulator.core import arithmetic, cycle_end, engine_state
 from gradient_accumulator.core.links import ApplyFn, Group, Links, Wiring
-from gradient_accumulator.core.validation import (
-    check_accum_steps,
-    check_engine_settings,
-)
+from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.core.validation import check_accum_steps
 
 
 class Engine(Links, tf.Module):
@@ -97,36 +95,53 @@ class Engine(Links, tf.Module):
     make its own kind (Keras variables, tracked by a layer or an optimizer).
 
     Args:
-        accum_steps: micro-batches per optimizer update (an ``int >= 1``).
+        settings: the host's checked :class:`~.settings.Settings`, of which
+            the engine reads ``accum_steps`` (micro-batches per optimizer
+            update), ``use_agc`` and its ``clip_factor`` and ``eps``
+            (adaptive gradient clipping of the accumulated gradient), and
+            ``skip_update_fn`` (an optional ``fn(grads, variables) -> bool
+            scalar`` called at the end of each cycle with the mean gradient,
+            before AGC; a True result drops the cycle as a non-finite one
+            would). An ``int`` is taken as ``accum_steps``, with the other
+            settings as keywords, and checked here.
         name: prefix for the variables' names.
-        use_agc: apply adaptive gradient clipping to the accumulated gradient.
-        clip_factor, eps: adaptive gradient clipping parameters.
-        skip_update_fn: optional ``fn(grads, variables) -> bool scalar``
-            called at the end of each cycle with the mean gradient (before
-            AGC); a True result drops the cycle as a non-finite one would.
     """
 
     def __init__(
         self,
-        accum_steps: int,
+        settings: Settings | int,
         name: str = "accumulator",
-        use_agc: bool = False,
-        clip_factor: float = 0.01,
-        eps: float = 1e-3,
-        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
+        **engine_settings,
     ):
         super().__init__(name=name)
+        if not isinstance(settings, Settings):
+            # The call of the layers and of direct users of the engine.
+            settings = Settings(accum_steps=settings, **engine_settings)
+        self.settings = settings
         # The configured cycle length; once built, the variables hold it.
-        self._initial_accum_steps = check_accum_steps(accum_steps)
-        self.use_agc, self.clip_factor, self.eps, self.skip_update_fn = (
-            check_engine_settings(use_agc, clip_factor, eps, skip_update_fn)
-        )
+        self._initial_accum_steps = settings.accum_steps
         self._prefix = name
         self._wiring = Wiring()
         # Extra denominators' accumulators (see part()): tracked, so that a
         # checkpoint holds their sums with the rest of the state.
         self._parts: list[Engine] = []
         self.built = False
+
+    @property
+    def use_agc(self) -> bool:
+        return self.settings.use_agc
+
+    @property
+    def clip_factor(self) -> float:
+        return float(self.settings.clip_factor)
+
+    @property
+    def eps(self) -> float:
+        return float(self.settings.eps)
+
+    @property
+    def skip_update_fn(self) -> Callable[[list, list], tf.Tensor] | None:
+        return self.settings.skip_update_fn
 
     # ------------------------------------------------------------------ state
     def _make_variable(
@@ -266,7 +281,11 @@ class Engine(Links, tf.Module):
     def _new_part(self, name: str) -> Engine:
         """A new, unbuilt accumulator of this one's kind, for :meth:`part`
         (hosts that make their own variables override this)."""
-        return Engine(self._initial_accum_steps, name=name)
+        return Engine(self._part_settings(), name=name)
+
+    def _part_settings(self) -> Settings:
+        # A part only adds: the leader clips, checks and applies.
+        return Settings(accum_steps=self._initial_accum_steps)
 
     # ------------------------------------------------------------------- rules
     def add(

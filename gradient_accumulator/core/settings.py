@@ -1,9 +1,13 @@
-"""The model wrapper's accumulation settings, in one record.
+"""The accumulation settings, in one record, checked once.
 
-``GradientAccumulateModel`` (for Keras 3 and for tf-keras),
-:func:`~gradient_accumulator.accumulate` and the loader of saved models all
-go through :class:`Settings`: a setting added
-here is checked, saved in the model's config and read back by the loader.
+Every public constructor (``GradientAccumulateModel`` and
+``GradientAccumulateOptimizer`` for Keras 3 and for tf-keras,
+:func:`~gradient_accumulator.accumulate`, the loader of saved models)
+builds one :class:`Settings`, which checks its arguments, and hands it on:
+the engine takes it as it is. Each default is written here once (public
+signatures refer to it, e.g. ``clip_factor: float = Settings.clip_factor``);
+a model setting added here is checked, saved in the model's config and read
+back by the loader.
 """
 
 from __future__ import annotations
@@ -11,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.validation import (
     PARTIAL_CYCLE,
     check_accum_steps,
@@ -26,11 +30,15 @@ from gradient_accumulator.core.validation import (
     warn_unneeded,
 )
 
+if TYPE_CHECKING:
+    from gradient_accumulator.core.engine import Engine
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Checked accumulation settings of a model (see
-    :class:`~gradient_accumulator.GradientAccumulateModel` for each)."""
+    """Checked accumulation settings (see
+    :class:`~gradient_accumulator.GradientAccumulateModel` for each). The
+    engine reads the first five; the rest are the model wrappers'."""
 
     accum_steps: int = 1
     use_agc: bool = False
@@ -54,17 +62,13 @@ class Settings:
         check_bool("flush_at_end", self.flush_at_end)
         check_bool("progress_logs", self.progress_logs)
 
-    def accumulator(self, engine: type[Engine] = Engine) -> Engine:
-        """A new, unbuilt ``engine`` (the host's kind of engine) with these
-        settings."""
-        return engine(
-            self.accum_steps,
-            name="accumulator",
-            use_agc=self.use_agc,
-            clip_factor=self.clip_factor,
-            eps=self.eps,
-            skip_update_fn=self.skip_update_fn,
-        )
+    def accumulator(self, engine: type[Engine] | None = None) -> Engine:
+        """A new, unbuilt ``engine`` (the host's kind of engine; by default
+        the core's) with these settings."""
+        if engine is None:
+            # Imported here: the engine's module imports this one.
+            from gradient_accumulator.core.engine import Engine as engine
+        return engine(self, name="accumulator")
 
     def saved(self) -> dict:
         """The settings a model's config holds."""

@@ -4,9 +4,9 @@ replicas."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import tf_keras
+
+from gradient_accumulator.keras2.loss_scale import apply_gradients
 
 Optimizer = tf_keras.optimizers.Optimizer
 LegacyOptimizer = tf_keras.optimizers.legacy.Optimizer
@@ -26,13 +26,5 @@ def state(optimizer) -> list:
     return list(optimizer.variables)
 
 
-def apply_reduced(optimizer, grads: Sequence, variables: Sequence):
-    """Applies unscaled gradients already summed over replicas (replica
-    context): a ``LossScaleOptimizer``'s checks are the engine's, so its
-    inner optimizer applies them."""
-    if isinstance(optimizer, tf_keras.mixed_precision.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    pairs = list(zip(grads, variables))
-    if isinstance(optimizer, LegacyOptimizer):
-        return optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
-    return optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
+# The model wrapper's name for it.
+apply_reduced = apply_gradients

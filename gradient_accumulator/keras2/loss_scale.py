@@ -6,9 +6,13 @@ skipped cycle counts one iteration, as a skipped step does in tf-keras."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import tf_keras
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
+from gradient_accumulator.hosts import loss_scale as host
 
 # LossScaleOptimizerV3 is the class tf-keras wraps a current optimizer in
 # (``compile`` under mixed_float16, or ``LossScaleOptimizer(optimizer)``).
@@ -23,15 +27,20 @@ from gradient_accumulator.keras2._compat import (
 LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
-def scaler_of(optimizer):
-    """``optimizer`` if it is a ``LossScaleOptimizer``, else None."""
-    return optimizer if isinstance(optimizer, LossScaleOptimizer) else None
+# ``scaler_of(optimizer)``: ``optimizer`` if it is a LossScaleOptimizer,
+# else None.
+scaler_of = functools.partial(host.scaler_of, LossScaleOptimizer)
 
 
-def unscaled(optimizer):
-    """The optimizer that applies updates: the one a scaler wraps."""
-    scaler = scaler_of(optimizer)
-    return optimizer if scaler is None else scaler.inner_optimizer
+def apply_gradients(optimizer, grads: Sequence, variables: Sequence):
+    """Applies unscaled gradients already summed over replicas (replica
+    context): a ``LossScaleOptimizer``'s checks are the engine's, so its
+    inner optimizer applies them."""
+    optimizer = host.applying(LossScaleOptimizer, optimizer)
+    pairs = list(zip(grads, variables))
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        return optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
+    return optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
 
 
 def scale_hooks(optimizer):
@@ -78,19 +87,13 @@ class CycleLossScaleOptimizer(LossScaleOptimizerV3):
         )
 
 
-CycleLossScaleOptimizer.__name__ = LossScaleOptimizerV3.__name__
-CycleLossScaleOptimizer.__qualname__ = LossScaleOptimizerV3.__qualname__
-CycleLossScaleOptimizer.__module__ = LossScaleOptimizerV3.__module__
+host.saves_as(CycleLossScaleOptimizer, LossScaleOptimizerV3)
 
-
-def adopt(scaler) -> None:
-    """Makes ``scaler``, a LossScaleOptimizer around an accumulating
-    optimizer, hand whole cycles to it (this instance only)."""
-    if type(scaler) is LossScaleOptimizerV3:
-        scaler.__class__ = CycleLossScaleOptimizer
-    elif not isinstance(scaler, CycleLossScaleOptimizer):
-        raise TypeError(
-            "The tf-keras GradientAccumulateOptimizer can be wrapped in "
-            "tf-keras' LossScaleOptimizer, not in a subclass of it: "
-            f"{type(scaler).__name__}."
-        )
+# ``adopt(scaler)``: makes ``scaler``, a LossScaleOptimizer around an
+# accumulating optimizer, hand whole cycles to it (this instance only).
+adopt = functools.partial(
+    host.adopt,
+    LossScaleOptimizerV3,
+    CycleLossScaleOptimizer,
+    ("The tf-keras GradientAccumulateOptimizer", "tf-keras"),
+)
