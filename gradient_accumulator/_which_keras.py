@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 KERAS3 = "keras"
 TF_KERAS = "tf_keras"
 
@@ -16,25 +14,6 @@ def keras_of(value) -> str | None:
         if package in (KERAS3, TF_KERAS):
             return package
     return None
-
-
-# The module of each Keras' GradientAccumulateOptimizer: the optimizer
-# handed in picks the wrapper, whichever Keras ``tf.keras`` is.
-_OPTIMIZER_WRAPPERS = {
-    KERAS3: "gradient_accumulator.optimizer",
-    TF_KERAS: "gradient_accumulator.keras2.optimizer",
-}
-
-
-def optimizer_wrapper_for(optimizer, host: str) -> type | None:
-    """The ``GradientAccumulateOptimizer`` of ``optimizer``'s Keras where
-    that is not ``host`` (the Keras of the class asked), else None."""
-    keras = keras_of(optimizer)
-    if keras is None or keras == host:
-        return None
-    return importlib.import_module(
-        _OPTIMIZER_WRAPPERS[keras]
-    ).GradientAccumulateOptimizer
 
 
 _NAMES = {KERAS3: "Keras 3 (keras)", TF_KERAS: "tf-keras (tf_keras, legacy Keras 2)"}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
 from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
@@ -40,6 +41,39 @@ class Flavour:
 
     name: str  # its top-level package (``keras``, ``tf_keras``), in messages
     keras: ModuleType  # the Keras module: Model, layers, callbacks, saving, ...
+
+    # --- optimizer host (hosts/optimizer.py). Defaults: so that fields of
+    # other sections may come in any order; every flavour sets them all.
+    # What counts as an optimizer to wrap, and its name in messages.
+    optimizer_kinds: tuple = ()
+    optimizer_text: str = ""
+    get_optimizer: Callable | None = None  # a name -> an optimizer
+    # The wrapper's keyword arguments to its base class' constructor.
+    optimizer_base_arguments: tuple = ()
+    # (wrapper, Settings) -> the wrapper's unbuilt engine.
+    optimizer_engine: Callable | None = None
+    # Whether the wrapper makes its engine's variables in the strategy it
+    # was made under (not needed where the Keras' variables find it).
+    optimizer_keeps_strategy: bool = False
+    optimizer_built: Callable | None = None  # wrapper -> has it been built
+    build_optimizer: Callable | None = None  # (optimizer, variables) -> None
+    own_optimizer_variables: Callable | None = None  # wrapper -> its state
+    optimizer_state: Callable | None = None  # optimizer -> its variables
+    serialize_optimizer: Callable | None = None
+    deserialize_optimizer: Callable | None = None  # (config, custom_objects)
+    # Keys the Keras adds to the wrapper's config, dropped on load.
+    optimizer_config_extras: tuple = ()
+    # The loss scaler around the wrapper, when called from its method.
+    wrapping_loss_scaler: Callable | None = None
+    adopt_scaler: Callable | None = None  # see loss_scale.adopt
+    # Whether an adopted scaler's dynamic scale replaces the wrapped
+    # optimizer's static ``loss_scale_factor``.
+    scaler_replaces_loss_scale_factor: bool = False
+    # scaler or None -> the scale the gradients given the wrapper carry.
+    gradient_scale: Callable | None = None
+    scale_hooks: Callable | None = None  # see loss_scale.scale_hooks
+    # (optimizer, grads, variables=): applies replica-summed gradients.
+    apply_reduced: Callable | None = None
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),
