@@ -118,6 +118,8 @@ class Engine(Links, tf.Module):
             # The call of the layers and of direct users of the engine.
             settings = Settings(accum_steps=settings, **engine_settings)
         self.settings = settings
+        self.use_agc, self.skip_update_fn = settings.use_agc, settings.skip_update_fn
+        self.clip_factor, self.eps = float(settings.clip_factor), float(settings.eps)
         # The configured cycle length; once built, the variables hold it.
         self._initial_accum_steps = settings.accum_steps
         self._prefix = name
@@ -126,22 +128,6 @@ class Engine(Links, tf.Module):
         # checkpoint holds their sums with the rest of the state.
         self._parts: list[Engine] = []
         self.built = False
-
-    @property
-    def use_agc(self) -> bool:
-        return self.settings.use_agc
-
-    @property
-    def clip_factor(self) -> float:
-        return float(self.settings.clip_factor)
-
-    @property
-    def eps(self) -> float:
-        return float(self.settings.eps)
-
-    @property
-    def skip_update_fn(self) -> Callable[[list, list], tf.Tensor] | None:
-        return self.settings.skip_update_fn
 
     # ------------------------------------------------------------------ state
     def _make_variable(
