@@ -24,7 +24,6 @@ FLAVOUR = Flavour(
     # --- optimizer host
     optimizer_kinds=(keras.optimizers.Optimizer,),
     optimizer_text="keras.optimizers.Optimizer",
-    get_optimizer=keras.optimizers.get,
     optimizer_base_arguments=(("learning_rate", 0.0),),
     optimizer_engine=_optimizer_engine,
     optimizer_keeps_strategy=False,
@@ -38,9 +37,7 @@ FLAVOUR = Flavour(
     ),
     optimizer_config_extras=(),
     wrapping_loss_scaler=_keras_compat.wrapping_loss_scaler,
-    adopt_scaler=loss_scale.adopt,
+    loss_scaling=loss_scale,
     scaler_replaces_loss_scale_factor=True,
     gradient_scale=loss_scale.loss_scale,
-    scale_hooks=loss_scale.scale_hooks,
-    apply_reduced=loss_scale.apply_gradients,
 )

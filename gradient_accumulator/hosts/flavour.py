@@ -47,7 +47,6 @@ class Flavour:
     # What counts as an optimizer to wrap, and its name in messages.
     optimizer_kinds: tuple = ()
     optimizer_text: str = ""
-    get_optimizer: Callable | None = None  # a name -> an optimizer
     # The wrapper's keyword arguments to its base class' constructor.
     optimizer_base_arguments: tuple = ()
     # (wrapper, Settings) -> the wrapper's unbuilt engine.
@@ -65,15 +64,14 @@ class Flavour:
     optimizer_config_extras: tuple = ()
     # The loss scaler around the wrapper, when called from its method.
     wrapping_loss_scaler: Callable | None = None
-    adopt_scaler: Callable | None = None  # see loss_scale.adopt
+    # The Keras' loss-scale module: its adopt, scale_hooks and
+    # apply_gradients (which applies replica-summed gradients).
+    loss_scaling: ModuleType | None = None
     # Whether an adopted scaler's dynamic scale replaces the wrapped
     # optimizer's static ``loss_scale_factor``.
     scaler_replaces_loss_scale_factor: bool = False
     # scaler or None -> the scale the gradients given the wrapper carry.
     gradient_scale: Callable | None = None
-    scale_hooks: Callable | None = None  # see loss_scale.scale_hooks
-    # (optimizer, grads, variables=): applies replica-summed gradients.
-    apply_reduced: Callable | None = None
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),

@@ -106,7 +106,7 @@ class OptimizerHost:
             return optimizer
         if isinstance(optimizer, str):
             try:
-                return self._flavour.get_optimizer(optimizer)
+                return self._flavour.keras.optimizers.get(optimizer)
             except ValueError as error:
                 raise ValueError(
                     f"`optimizer` must be a {text} or the name of one (e.g. "
@@ -219,7 +219,7 @@ class OptimizerHost:
             Binding(
                 variables=lambda: variables,
                 apply_fn=lambda: self._apply_fn(variables),
-                hooks=lambda: self._flavour.scale_hooks(self._scaler()),
+                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self._scaler()),
                 **binding,
             )
         )
@@ -231,13 +231,15 @@ class OptimizerHost:
         # its dynamic scale replaces any static factor of the wrapped one.
         if scaler is None:
             return
-        self._flavour.adopt_scaler(scaler)
+        self._flavour.loss_scaling.adopt(scaler)
         if self._flavour.scaler_replaces_loss_scale_factor:
             self.inner_optimizer.loss_scale_factor = None
 
     def _apply_fn(self, variables):
         return functools.partial(
-            self._flavour.apply_reduced, self.inner_optimizer, variables=variables
+            self._flavour.loss_scaling.apply_gradients,
+            self.inner_optimizer,
+            variables=variables,
         )
 
     def _accumulate(self, grads, variables, scaler, reduced: bool = False) -> None:
@@ -257,7 +259,7 @@ class OptimizerHost:
             # Every replica holds the total already; the engine sums again.
             weight = 1.0 / replicas
         self._scaler = _no_scaler if scaler is None else weakref.ref(scaler)
-        on_apply, on_skip = self._flavour.scale_hooks(scaler)
+        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(scaler)
         self._accumulator.step(
             list(grads),
             variables,

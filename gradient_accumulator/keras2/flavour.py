@@ -34,7 +34,6 @@ FLAVOUR = Flavour(
         "tf-keras optimizer (tf.keras.optimizers.* or "
         "tf.keras.optimizers.legacy.*, where tf.keras is tf-keras)"
     ),
-    get_optimizer=tf_keras.optimizers.get,
     optimizer_base_arguments=(),
     # The engine's variables are its own (a tf.Module the wrapper tracks).
     optimizer_engine=lambda wrapper, settings: Engine(settings),
@@ -47,9 +46,7 @@ FLAVOUR = Flavour(
     deserialize_optimizer=_deserialize_optimizer,
     optimizer_config_extras=("is_legacy_optimizer",),
     wrapping_loss_scaler=_compat.wrapping_loss_scaler,
-    adopt_scaler=loss_scale.adopt,
+    loss_scaling=loss_scale,
     scaler_replaces_loss_scale_factor=False,
     gradient_scale=lambda scaler: None,
-    scale_hooks=loss_scale.scale_hooks,
-    apply_reduced=loss_scale.apply_gradients,
 )

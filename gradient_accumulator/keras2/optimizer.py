@@ -31,11 +31,11 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
 
     >>> import numpy as np, tf_keras
     >>> from gradient_accumulator.keras2 import GradientAccumulateOptimizer
-    >>> opt = GradientAccumulateOptimizer(tf_keras.optimizers.SGD(0.1), accum_steps=4)
-    >>> model = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])
-    >>> model.compile(optimizer=opt, loss="mse")
-    >>> history = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
-    >>> int(opt.iterations)
+    >>> sgd = tf_keras.optimizers.legacy.SGD(0.1)  # a legacy one, or current
+    >>> net = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(1)])
+    >>> net.compile(GradientAccumulateOptimizer(sgd, accum_steps=4), loss="mse")
+    >>> _ = net.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
+    >>> int(sgd.iterations)  # 4 micro-batches of 8 -> one update
     1
     """
 
