@@ -1,6 +1,6 @@
-"""What the tf-keras hosts need of tf-keras optimizers: which kind one is,
-its state, and how to apply gradients the engine already summed over
-replicas."""
+"""What the tf-keras flavour needs of tf-keras optimizers: their kinds
+(current and legacy) and their state; and, under the model wrapper's name,
+how to apply gradients the engine already summed over replicas."""
 
 from __future__ import annotations
 
@@ -13,11 +13,6 @@ LegacyOptimizer = tf_keras.optimizers.legacy.Optimizer
 KINDS = (Optimizer, LegacyOptimizer)
 
 
-def is_optimizer(value) -> bool:
-    """Whether ``value`` is a tf-keras optimizer (current or legacy)."""
-    return isinstance(value, KINDS)
-
-
 def state(optimizer) -> list:
     """The optimizer's variables (``variables`` is a method of the legacy
     optimizers and a property of the current ones)."""
@@ -26,5 +21,5 @@ def state(optimizer) -> list:
     return list(optimizer.variables)
 
 
-# The model wrapper's name for it.
+# The model wrapper's name for ``loss_scale.apply_gradients``.
 apply_reduced = apply_gradients
