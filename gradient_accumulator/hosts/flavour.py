@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 
@@ -40,6 +42,57 @@ class Flavour:
 
     name: str  # its top-level package (``keras``, ``tf_keras``), in messages
     keras: ModuleType  # the Keras module: Model, layers, callbacks, saving, ...
+
+    # --- batch norm (hosts/batch_norm.py)
+    # (layer, axis, synchronized, kwargs) -> (axis, the base class's keywords
+    # beyond the shared ones); refuses or takes out of kwargs what it lacks.
+    batch_norm_options: Callable[..., tuple[Any, dict]]
+    # (layer, accum_steps) -> an engine whose variables the layer tracks and
+    # saves as its own weights.
+    layer_engine: Callable[[Any, int], Any]
+    # (layer, input rank): what a build adds to Keras' (tf-keras: any rank).
+    batch_norm_built: Callable[[Any, int], None]
+    # (layer, input rank) -> whether the moving variance takes the unbiased
+    # variance (tf-keras' fused kernel does).
+    unbiased_variance: Callable[[Any, int], bool]
+    fixed_weight: dict  # add_weight keywords: no autocast under mixed precision
+    own_initializer: Callable  # an initializer's copy for one more weight
+    training_flag: Callable  # a call's `training` as a Python bool or None
+    # (layer, x, mask, axes) -> (mean, variance) to normalise with, and this
+    # replica's own (mean, variance).
+    batch_norm_moments: Callable[..., tuple[tuple, tuple]]
+    # (variable, value, momentum): its BatchNormalization's update, verbatim.
+    moving_average: Callable[[Any, Any, float], None]
+    # The engine's divisor of the pooled sums: the cycle's calls (True), or 1
+    # a cycle (the unbiased variance needs the big batch's size).
+    counts_calls: bool
+
+    # --- accumulate() (hosts/in_place.py)
+    custom_names: dict  # class -> the name saved files give it
+    compiled: Callable[[Any], bool]
+    # (model, its own class) -> the config a model made accumulating saves:
+    # its own class's and the settings.
+    accumulated_config: Callable[[Any, type], dict]
+
+    # --- replace_batchnorm_layers (hosts/replace_layers.py)
+    graph_models: tuple[type, ...]  # the models it can rebuild layer by layer
+    # (model, clone_layer) -> a copy of a functional or Sequential model,
+    # nested ones included, with clone_layer(layer) for every other layer.
+    clone_graph: Callable
+    # model wrapper -> the keyword arguments that rebuild it with its settings
+    wrapper_settings: Callable[[Any], dict]
+    # Options of its BatchNormalization that AccumBatchNormalization lacks
+    # (refused when set), and the config a new layer gets beyond the old's.
+    batch_norm_unsupported: tuple[str, ...]
+    batch_norm_config: Callable[[Any], dict]
+
+    # --- verify (hosts/equivalence.py)
+    optimizers: tuple[type, ...]  # its optimizer classes
+    batch_norms: tuple[type, ...]  # its BatchNormalization classes
+    new_optimizer: Callable[[Any], Any]  # a fresh optimizer from a name or one
+    sublayers: Callable[[Any], list]  # a layer and every layer nested in it
+    draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
+    variable_name: Callable[[Any], str]  # a variable's name in its layer
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),
