@@ -18,21 +18,9 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import in_place
-from gradient_accumulator.model import GradientAccumulateModel
-
-KERAS = in_place.Keras(
-    package="keras",
-    model=keras.Model,
-    wrapper=GradientAccumulateModel,
-    custom_names=GLOBAL_CUSTOM_NAMES,
-    registered_name=keras.saving.get_registered_name,
-    registered_object=keras.saving.get_registered_object,
-    compiled=lambda model: model.compiled,
-    config=lambda model, own: GradientAccumulateModel.get_config(model),
-)
 
 
 def accumulate(
@@ -100,7 +88,7 @@ def accumulate(
     True
     """
     return in_place.start(
-        KERAS,
+        FLAVOUR,
         model,
         lambda: Settings(
             accum_steps=accum_steps,
@@ -137,14 +125,9 @@ def stop_accumulating(model: keras.Model, flush: bool = True) -> keras.Model:
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
-class Accumulating:
+class Accumulating(in_place.Loader):
     """Loads a model saved after :func:`accumulate`: rebuilds it with its own
     class's ``from_config``, then makes it accumulate with the saved
     settings (Keras then restores its weights and the pending state)."""
 
-    def get_config(self) -> dict:  # Keras registers only classes that have one
-        raise NotImplementedError("Models save the config of their own class.")
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        return in_place.load(KERAS, config, custom_objects, accumulate)
+    _flavour = FLAVOUR
