@@ -1,13 +1,15 @@
 """How ``accumulate()`` makes a model you already have accumulate, and
 ``stop_accumulating()`` undoes it, written once for Keras 3 and tf-keras:
 the instance gets a private class derived from its Keras' model wrapper and
-its own class. Each Keras' ``accumulate`` module keeps the public functions
-and their docs; the host learns the Keras from its flavour record."""
+its own class. Each Keras' ``accumulate`` module keeps the public function
+``accumulate`` and its docs (``stop_accumulating``, which needs no Keras, is
+this module's); the host learns the Keras from its flavour record."""
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from typing import TypeVar
 
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.settings import SAVED, Settings
@@ -19,6 +21,7 @@ LOADER = "gradient_accumulator>Accumulating"
 MODEL_CLASS = "accumulated_class"
 
 
+M = TypeVar("M")  # a model of either Keras
 # Each accumulating class made, by the model's own class.
 _CLASSES: dict[type, type] = {}
 
@@ -61,8 +64,23 @@ def start(flavour: Flavour, model, settings: Callable[[], Settings]):
     return model
 
 
-def stop(model, flush: bool):
-    """``stop_accumulating``: see the Keras 3 ``accumulate`` module."""
+def stop_accumulating(model: M, flush: bool = True) -> M:
+    """Returns a model made accumulating by :func:`accumulate` to plain
+    training (its own class), in place.
+
+    A pending partial cycle is applied first (``flush=True``, the default) or
+    dropped. Compile the model again before training it further.
+
+    Args:
+        model: a model made accumulating by :func:`accumulate`.
+        flush: apply (True) or drop (False) a pending partial cycle.
+
+    Raises:
+        ValueError: ``model`` was not made accumulating by :func:`accumulate`.
+
+    Returns:
+        ``model`` itself.
+    """
     own = getattr(type(model), "_accumulated_class", None)
     if own is None:
         raise ValueError(

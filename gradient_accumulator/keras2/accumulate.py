@@ -10,6 +10,7 @@ import tf_keras
 
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts import in_place
+from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 from gradient_accumulator.keras2.flavour import FLAVOUR, SETTINGS
 
 
@@ -59,14 +60,6 @@ def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
     return in_place.start(
         FLAVOUR, model, lambda: Settings(accum_steps=accum_steps, **settings)
     )
-
-
-def stop_accumulating(model: tf_keras.Model, flush: bool = True) -> tf_keras.Model:
-    """Returns a model made accumulating by :func:`accumulate` to plain
-    training (its own class), in place, after applying (``flush=True``) or
-    dropping its pending partial cycle. Compile it again before training it
-    further. A ``ValueError`` for a model not made accumulating."""
-    return in_place.stop(model, flush)
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")

@@ -32,20 +32,17 @@ class LayerEngine(Engine):
     def _make_variable(self, name, shape, dtype, initializer, **kwargs):
         if not isinstance(initializer, str):
             initializer = tf_keras.initializers.Constant(initializer)
+        synchronization = kwargs.get("synchronization", "auto").upper()
+        aggregation = kwargs.get("aggregation", "none").upper()
         return self._layer.add_weight(
-            name=name,
-            shape=shape,
-            dtype=dtype,
-            initializer=initializer,
+            name,
+            shape,
+            dtype,
+            initializer,
             trainable=False,
             experimental_autocast=False,
-            synchronization=getattr(
-                tf.VariableSynchronization,
-                kwargs.get("synchronization", "auto").upper(),
-            ),
-            aggregation=getattr(
-                tf.VariableAggregation, kwargs.get("aggregation", "none").upper()
-            ),
+            synchronization=getattr(tf.VariableSynchronization, synchronization),
+            aggregation=getattr(tf.VariableAggregation, aggregation),
         )
 
 
