@@ -57,14 +57,6 @@ def _wrapper_settings(model) -> dict:
     return {**model._settings(), "skip_update_fn": model._accumulator.skip_update_fn}
 
 
-# --- verify
-def _new_optimizer(spec) -> keras.optimizers.Optimizer:
-    """A fresh optimizer per run: the two runs must not share its state."""
-    if isinstance(spec, str):
-        return keras.optimizers.get(spec)
-    return keras.optimizers.deserialize(keras.optimizers.serialize(spec))
-
-
 FLAVOUR = Flavour(
     name=KERAS3,
     keras=keras,
@@ -96,7 +88,9 @@ FLAVOUR = Flavour(
     # --- verify
     optimizers=(keras.optimizers.Optimizer,),
     batch_norms=(keras.layers.BatchNormalization,),
-    new_optimizer=_new_optimizer,
+    copy_optimizer=lambda optimizer: keras.optimizers.deserialize(
+        keras.optimizers.serialize(optimizer)
+    ),
     sublayers=all_layers,
     draws_random=lambda layer: bool(getattr(layer, "_seed_generators", None)),
     variable_name=lambda variable: variable.path.split("/")[-1],

@@ -265,8 +265,8 @@ def run(
 
     initial = [[np.array(w) for w in layer.get_weights()] for layer in reference.layers]
     hidden = [_hidden_state(flavour, layer) for layer in reference.layers]
-    reference.compile(optimizer=flavour.new_optimizer(optimizer), loss=loss)
-    accumulated.compile(optimizer=flavour.new_optimizer(optimizer), loss=loss)
+    reference.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
+    accumulated.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
     _train(reference, x, y, big, checked, "plain, big batch")
     _train(accumulated, x, y, checked.micro_batch_size, checked, "accumulated")
     changed = [
@@ -368,6 +368,13 @@ def _optimizer_spec(flavour: Flavour, optimizer: Any, model: Any) -> Any:
         "`optimizer` must be a Keras optimizer name or instance. "
         f"Received: optimizer={optimizer!r}."
     )
+
+
+def _new_optimizer(flavour: Flavour, spec: Any) -> Any:
+    """A fresh optimizer per run: the two runs must not share its state."""
+    if isinstance(spec, str):
+        return flavour.keras.optimizers.get(spec)
+    return flavour.copy_optimizer(spec)
 
 
 def _loss_spec(loss: Any, model: Any) -> Any:

@@ -89,7 +89,7 @@ class Flavour:
     # --- verify (hosts/equivalence.py)
     optimizers: tuple[type, ...]  # its optimizer classes
     batch_norms: tuple[type, ...]  # its BatchNormalization classes
-    new_optimizer: Callable[[Any], Any]  # a fresh optimizer from a name or one
+    copy_optimizer: Callable[[Any], Any]  # a new optimizer from one's config
     sublayers: Callable[[Any], list]  # a layer and every layer nested in it
     draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
     variable_name: Callable[[Any], str]  # a variable's name in its layer

@@ -148,13 +148,6 @@ def _batch_norm_config(layer) -> dict:
 
 
 # --- verify
-def _new_optimizer(spec):
-    """A fresh optimizer per run (current or legacy, as ``spec`` is)."""
-    if isinstance(spec, str):
-        return tf_keras.optimizers.get(spec)
-    return type(spec).from_config(spec.get_config())
-
-
 def _sublayers(layer) -> list:
     nested = [m for m in layer.submodules if isinstance(m, tf_keras.layers.Layer)]
     return [layer, *nested]
@@ -195,7 +188,10 @@ FLAVOUR = Flavour(
         tf_keras.layers.BatchNormalization,
         tf_keras.layers.experimental.SyncBatchNormalization,
     ),
-    new_optimizer=_new_optimizer,
+    # Current or legacy, as the optimizer is.
+    copy_optimizer=lambda optimizer: type(optimizer).from_config(
+        optimizer.get_config()
+    ),
     sublayers=_sublayers,
     draws_random=draws_random,
     # "dense/kernel:0" -> "kernel"
