@@ -8,10 +8,9 @@ fails here names the installed Keras version and the tested range.
 
 from __future__ import annotations
 
-import sys
-
 import keras
 
+from gradient_accumulator import _callers
 from gradient_accumulator._backend import KERAS_SPEC
 from gradient_accumulator.core._tf_compat import (
     distributed_container,
@@ -158,15 +157,6 @@ def wrapping_loss_scaler(inner):
     """The ``LossScaleOptimizer`` that wraps ``inner``, when called from
     ``inner.build`` while that LossScaleOptimizer's ``build`` (which builds
     the optimizer it wraps) runs; else None."""
-    frame = sys._getframe(1)
-    for _ in range(4):  # inner.build, then LossScaleOptimizer.build
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if (
-            isinstance(candidate, keras.optimizers.LossScaleOptimizer)
-            and getattr(candidate, "inner_optimizer", None) is inner
-        ):
-            return candidate
-        frame = frame.f_back
-    return None
+    # inner.build, then LossScaleOptimizer.build
+    scaler = keras.optimizers.LossScaleOptimizer
+    return _callers.calling_wrapper(inner, scaler, frames=4)

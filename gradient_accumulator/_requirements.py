@@ -95,23 +95,35 @@ def _within(version: str, low: tuple[int, ...], below: tuple[int, ...] | None) -
     return release >= low and (below is None or release < below)
 
 
+def _out_of_range(
+    tf_version: str | None,
+    name: str,
+    version: str | None,
+    low: tuple[int, ...],
+    below: tuple[int, ...] | None,
+) -> str | None:
+    """What was found (``"tensorflow 2.15.0, keras 3.15.0"``), when TensorFlow
+    or the Keras ``name`` (``version`` in ``[low, below)``) is missing or out
+    of range; None if both fit."""
+    tf_ok = tf_version is not None and _within(
+        tf_version, TENSORFLOW_MIN, TENSORFLOW_BELOW
+    )
+    if tf_ok and version is not None and _within(version, low, below):
+        return None
+    return ", ".join(
+        f"{package} {found}" if found is not None else f"no {package}"
+        for package, found in (("tensorflow", tf_version), (name, version))
+    )
+
+
 def check_versions(tf_version: str | None, keras_version: str | None) -> str | None:
     """The one-line error for these installed versions, or None if they fit.
 
     ``None`` for a version means that package is not installed.
     """
-    tf_ok = tf_version is not None and _within(
-        tf_version, TENSORFLOW_MIN, TENSORFLOW_BELOW
-    )
-    keras_ok = keras_version is not None and _within(
-        keras_version, KERAS_MIN, KERAS_BELOW
-    )
-    if tf_ok and keras_ok:
+    found = _out_of_range(tf_version, "keras", keras_version, KERAS_MIN, KERAS_BELOW)
+    if found is None:
         return None
-    found = ", ".join(
-        f"{name} {version}" if version is not None else f"no {name}"
-        for name, version in (("tensorflow", tf_version), ("keras", keras_version))
-    )
     return f"gradient_accumulator needs {REQUIRED}; found {found}. {INSTALL_HINT}"
 
 
@@ -137,21 +149,11 @@ def check_legacy_versions(
 ) -> str | None:
     """:func:`check_versions` for legacy Keras 2 (``TF_USE_LEGACY_KERAS``):
     TensorFlow and tf-keras in range; Keras 3 is not looked at."""
-    tf_ok = tf_version is not None and _within(
-        tf_version, TENSORFLOW_MIN, TENSORFLOW_BELOW
+    found = _out_of_range(
+        tf_version, "tf-keras", tf_keras_version, TF_KERAS_MIN, TF_KERAS_BELOW
     )
-    tf_keras_ok = tf_keras_version is not None and _within(
-        tf_keras_version, TF_KERAS_MIN, TF_KERAS_BELOW
-    )
-    if tf_ok and tf_keras_ok:
+    if found is None:
         return None
-    found = ", ".join(
-        f"{name} {version}" if version is not None else f"no {name}"
-        for name, version in (
-            ("tensorflow", tf_version),
-            ("tf-keras", tf_keras_version),
-        )
-    )
     return (
         f"gradient_accumulator with {LEGACY_KERAS_VARIABLE} set (legacy Keras 2) "
         f"needs {REQUIRED_LEGACY}; found {found}. {_tf_keras_install_hint(tf_version)}"

@@ -18,21 +18,10 @@ from collections.abc import Callable
 import keras
 import tensorflow as tf
 
-from gradient_accumulator._keras_compat import GLOBAL_CUSTOM_NAMES
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import in_place
-from gradient_accumulator.model import GradientAccumulateModel
-
-KERAS = in_place.Keras(
-    package="keras",
-    model=keras.Model,
-    wrapper=GradientAccumulateModel,
-    custom_names=GLOBAL_CUSTOM_NAMES,
-    registered_name=keras.saving.get_registered_name,
-    registered_object=keras.saving.get_registered_object,
-    compiled=lambda model: model.compiled,
-    config=lambda model, own: GradientAccumulateModel.get_config(model),
-)
+from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 
 
 def accumulate(
@@ -99,52 +88,15 @@ def accumulate(
     >>> type(model) is keras.Sequential
     True
     """
-    return in_place.start(
-        KERAS,
-        model,
-        lambda: Settings(
-            accum_steps=accum_steps,
-            use_agc=use_agc,
-            clip_factor=clip_factor,
-            eps=eps,
-            micro_batch_size=micro_batch_size,
-            partial_cycle=partial_cycle,
-            flush_at_end=flush_at_end,
-            skip_update_fn=skip_update_fn,
-            progress_logs=progress_logs,
-        ),
-    )
-
-
-def stop_accumulating(model: keras.Model, flush: bool = True) -> keras.Model:
-    """Returns a model made accumulating by :func:`accumulate` to plain
-    training (its own class), in place.
-
-    A pending partial cycle is applied first (``flush=True``, the default) or
-    dropped. Compile the model again before training it further.
-
-    Args:
-        model: a model made accumulating by :func:`accumulate`.
-        flush: apply (True) or drop (False) a pending partial cycle.
-
-    Raises:
-        ValueError: ``model`` was not made accumulating by :func:`accumulate`.
-
-    Returns:
-        ``model`` itself.
-    """
-    return in_place.stop(model, flush)
+    # Every argument but the model is a setting, by the same name.
+    settings = {name: value for name, value in locals().items() if name != "model"}
+    return in_place.start(FLAVOUR, model, lambda: Settings(**settings))
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
-class Accumulating:
+class Accumulating(in_place.Loader):
     """Loads a model saved after :func:`accumulate`: rebuilds it with its own
     class's ``from_config``, then makes it accumulate with the saved
     settings (Keras then restores its weights and the pending state)."""
 
-    def get_config(self) -> dict:  # Keras registers only classes that have one
-        raise NotImplementedError("Models save the config of their own class.")
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        return in_place.load(KERAS, config, custom_objects, accumulate)
+    _flavour = FLAVOUR

@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import keras
 
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import training_control
-
-
-def _hosts() -> tuple[type, type]:
-    from gradient_accumulator.model import GradientAccumulateModel
-    from gradient_accumulator.optimizer import GradientAccumulateOptimizer
-
-    return GradientAccumulateModel, GradientAccumulateOptimizer
 
 
 def accumulating(model: keras.Model):
     """The object that owns ``model``'s accumulation: the model itself if it is
     a ``GradientAccumulateModel``, else its ``GradientAccumulateOptimizer``
     (also inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    return training_control.accumulating(model, _hosts())
+    return training_control.accumulating(model, FLAVOUR)
 
 
 class AccumulationScheduler(training_control.SchedulerLogic, keras.callbacks.Callback):
@@ -49,7 +43,7 @@ class AccumulationScheduler(training_control.SchedulerLogic, keras.callbacks.Cal
     5
     """
 
-    _hosts = staticmethod(_hosts)
+    _flavour = FLAVOUR
 
 
 class FlushPartialCycle(training_control.FlushLogic, keras.callbacks.Callback):
@@ -67,4 +61,4 @@ class FlushPartialCycle(training_control.FlushLogic, keras.callbacks.Callback):
             ends.
     """
 
-    _hosts = staticmethod(_hosts)
+    _flavour = FLAVOUR

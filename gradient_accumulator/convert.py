@@ -4,26 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator._keras_compat import Functional
-from gradient_accumulator.batch_norm import AccumBatchNormalization
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import replace_layers
-from gradient_accumulator.model import GradientAccumulateModel
-
-KERAS = replace_layers.Keras(
-    package="keras",
-    model=keras.Model,
-    graph_models=(keras.Sequential, Functional),
-    batch_norm=keras.layers.BatchNormalization,
-    accum_batch_norm=AccumBatchNormalization,
-    wrapper=GradientAccumulateModel,
-    clone=lambda model, clone_layer: keras.models.clone_model(
-        model, clone_function=clone_layer, recursive=True
-    ),
-    settings=lambda model: {
-        **model._settings(),
-        "skip_update_fn": model._accumulator.skip_update_fn,
-    },
-)
 
 
 def replace_batchnorm_layers(
@@ -51,4 +33,4 @@ def replace_batchnorm_layers(
         The converted model, compiled like ``model`` if ``model`` was.
         Subclasses of ``BatchNormalization`` are copied unchanged.
     """
-    return replace_layers.replace(KERAS, model, accum_steps, position)
+    return replace_layers.replace(FLAVOUR, model, accum_steps, position)

@@ -3,10 +3,23 @@ and the private names in ``_keras_compat``."""
 
 from __future__ import annotations
 
+import functools
+
 import keras
+from keras import ops
 
 from gradient_accumulator import _keras_compat, loss_scale
+from gradient_accumulator._keras_compat import (
+    GLOBAL_CUSTOM_NAMES,
+    Functional,
+    all_layers,
+    batch_norm_moments,
+    batch_norm_reduction_axes,
+    clone_initializer,
+    track_variable,
+)
 from gradient_accumulator._which_keras import KERAS3
+from gradient_accumulator.core.validation import check_bool
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.tracked_engine import Accumulator
 
@@ -16,6 +29,40 @@ def _optimizer_engine(wrapper, settings) -> Accumulator:
     return Accumulator(
         settings, track=_keras_compat.optimizer_variable_tracker(wrapper)
     )
+
+
+# --- batch norm
+def _batch_norm_options(layer, axis, synchronized, kwargs):
+    check_bool("synchronized", synchronized)
+    return axis, {"synchronized": synchronized}
+
+
+def _batch_norm_moments(layer, inputs, mask, axes):
+    moments = batch_norm_moments(layer, inputs, mask)
+    if layer.synchronized and mask is None:
+        # The forward pass used every replica's moments; the pool needs this
+        # replica's own (the engine sums replicas at the cycle end).
+        return moments, ops.moments(inputs, axes=batch_norm_reduction_axes(layer))
+    return moments, moments
+
+
+def _moving_average(variable, value, momentum: float) -> None:
+    # Keras' update, verbatim (not assign_moving_average's form).
+    moving = ops.cast(variable, variable.dtype)
+    variable.assign(moving * momentum + value * (1.0 - momentum))
+
+
+def _no_change(*args) -> None:
+    return None
+
+
+# --- replace_batchnorm_layers
+def _clone_graph(model, clone_layer):
+    return keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
+
+
+def _wrapper_settings(model) -> dict:
+    return {**model._settings(), "skip_update_fn": model._accumulator.skip_update_fn}
 
 
 FLAVOUR = Flavour(
@@ -40,4 +87,38 @@ FLAVOUR = Flavour(
     loss_scaling=loss_scale,
     scaler_replaces_loss_scale_factor=True,
     gradient_scale=loss_scale.loss_scale,
+    # --- batch norm
+    batch_norm_options=_batch_norm_options,
+    layer_engine=lambda layer, accum_steps: Accumulator(
+        accum_steps, track=functools.partial(track_variable, layer), name="accumulator"
+    ),
+    batch_norm_built=_no_change,
+    unbiased_variance=lambda layer, rank: False,
+    fixed_weight={"autocast": False},
+    own_initializer=clone_initializer,
+    training_flag=lambda training: training,
+    batch_norm_moments=_batch_norm_moments,
+    moving_average=_moving_average,
+    counts_calls=True,
+    # --- accumulate()
+    custom_names=GLOBAL_CUSTOM_NAMES,
+    compiled=lambda model: model.compiled,
+    accumulated_config=lambda model, own: FLAVOUR.public(
+        "GradientAccumulateModel"
+    ).get_config(model),
+    # --- replace_batchnorm_layers
+    graph_models=(keras.Sequential, Functional),
+    clone_graph=_clone_graph,
+    wrapper_settings=_wrapper_settings,
+    batch_norm_unsupported=("renorm",),
+    batch_norm_config=lambda layer: {},
+    # --- verify
+    optimizers=(keras.optimizers.Optimizer,),
+    batch_norms=(keras.layers.BatchNormalization,),
+    copy_optimizer=lambda optimizer: keras.optimizers.deserialize(
+        keras.optimizers.serialize(optimizer)
+    ),
+    sublayers=all_layers,
+    draws_random=lambda layer: bool(getattr(layer, "_seed_generators", None)),
+    variable_name=lambda variable: variable.path.split("/")[-1],
 )

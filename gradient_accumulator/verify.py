@@ -14,42 +14,15 @@ from typing import Any
 
 import keras
 
-from gradient_accumulator._keras_compat import all_layers
-from gradient_accumulator.batch_norm import AccumBatchNormalization
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import equivalence
 from gradient_accumulator.hosts.equivalence import (
     LayerCheck,
     VariableCheck,
     VerifyReport,
 )
-from gradient_accumulator.model import GradientAccumulateModel
-from gradient_accumulator.optimizer import GradientAccumulateOptimizer
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
-
-
-def _new_optimizer(spec: Any) -> keras.optimizers.Optimizer:
-    """A fresh optimizer per run: the two runs must not share its state."""
-    if isinstance(spec, str):
-        return keras.optimizers.get(spec)
-    return keras.optimizers.deserialize(keras.optimizers.serialize(spec))
-
-
-KERAS = equivalence.Keras(
-    package="keras",
-    model=keras.Model,
-    wrapper=GradientAccumulateModel,
-    optimizers=(keras.optimizers.Optimizer,),
-    accumulating_optimizer=GradientAccumulateOptimizer,
-    input_layer=keras.layers.InputLayer,
-    batch_norms=(keras.layers.BatchNormalization,),
-    accum_batch_norm=AccumBatchNormalization,
-    set_random_seed=keras.utils.set_random_seed,
-    new_optimizer=_new_optimizer,
-    sublayers=all_layers,
-    draws_random=lambda layer: bool(getattr(layer, "_seed_generators", None)),
-    variable_name=lambda variable: variable.path.split("/")[-1],
-)
 
 
 def verify(
@@ -129,4 +102,4 @@ def verify(
         "seed": seed,
         "callbacks": callbacks,
     }
-    return equivalence.run(KERAS, model_fn, x, y, options)
+    return equivalence.run(FLAVOUR, model_fn, x, y, options)

@@ -18,8 +18,9 @@ import tensorflow as tf
 
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.validation import check_accum_steps, check_positive_float
+from gradient_accumulator.hosts.flavour import Flavour
 
-__all__ = ["Keras", "LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
+__all__ = ["LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
 
 _BATCH_NORM = (
     "the forward pass normalises with each micro-batch's "
@@ -184,25 +185,6 @@ def _mark(ok: bool) -> str:
 
 
 @dataclass(frozen=True)
-class Keras:
-    """What ``verify`` needs of one Keras."""
-
-    package: str  # its top-level package, in messages
-    model: type  # its Model: Model(inputs, outputs) rebuilds a model's graph
-    wrapper: type  # its GradientAccumulateModel
-    optimizers: tuple[type, ...]  # its optimizer classes
-    accumulating_optimizer: type  # its GradientAccumulateOptimizer
-    input_layer: type
-    batch_norms: tuple[type, ...]  # its BatchNormalization classes
-    accum_batch_norm: type
-    set_random_seed: Callable[[int], None]
-    new_optimizer: Callable[[Any], Any]  # a fresh optimizer from a name or one
-    sublayers: Callable[[Any], list]  # a layer and every layer nested in it
-    draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
-    variable_name: Callable[[Any], str]  # a variable's name in its layer
-
-
-@dataclass(frozen=True)
 class Options:
     """The checked keyword arguments of ``verify``, with their defaults."""
 
@@ -232,22 +214,22 @@ class Options:
 
 
 def run(
-    keras: Keras, model_fn: Callable[[], Any], x: Any, y: Any, options: dict
+    flavour: Flavour, model_fn: Callable[[], Any], x: Any, y: Any, options: dict
 ) -> VerifyReport:
-    """``verify(model_fn, x, y, **options)`` for ``keras``: see the Keras 3
+    """``verify(model_fn, x, y, **options)`` for ``flavour``'s Keras: see the Keras 3
     ``verify`` module."""
-    if isinstance(model_fn, keras.model) or not callable(model_fn):
+    if isinstance(model_fn, flavour.keras.Model) or not callable(model_fn):
         # A model is callable too, but on inputs: say what was passed.
         given = (
             f"a {type(model_fn).__name__} instance ({model_fn.name!r})"
-            if isinstance(model_fn, keras.model)
+            if isinstance(model_fn, flavour.keras.Model)
             else f"model_fn={model_fn!r}"
         )
         raise TypeError(
             f"`model_fn` must be a function that builds and returns a new "
-            f"{keras.package}.Model (verify calls it twice, for two models "
+            f"{flavour.name}.Model (verify calls it twice, for two models "
             f"with the same architecture). Received {given}. For a model you "
-            f"have, pass `lambda: {keras.package}.models.clone_model(model)` "
+            f"have, pass `lambda: {flavour.name}.models.clone_model(model)` "
             "(and `loss=`, `optimizer=` if it is compiled)."
         )
     unknown = sorted(set(options) - {f.name for f in fields(Options)})
@@ -262,17 +244,17 @@ def run(
     x = _take(x, "x", needed)
     y = _take(y, "y", needed)
 
-    keras.set_random_seed(int(checked.seed))
-    source = _build(keras, model_fn)
-    optimizer = _optimizer_spec(keras, checked.optimizer, source)
+    flavour.keras.utils.set_random_seed(int(checked.seed))
+    source = _build(flavour, model_fn)
+    optimizer = _optimizer_spec(flavour, checked.optimizer, source)
     loss = _loss_spec(checked.loss, source)
     # Both runs are plain functional models over the same graph, so their
     # layers line up one to one (a Sequential model hides its InputLayer; a
     # GradientAccumulateModel from model_fn would accumulate in the reference).
-    reference = keras.model(source.inputs, source.outputs)
-    keras.set_random_seed(int(checked.seed))
-    template = _build(keras, model_fn)
-    accumulated = keras.wrapper(
+    reference = flavour.keras.Model(source.inputs, source.outputs)
+    flavour.keras.utils.set_random_seed(int(checked.seed))
+    template = _build(flavour, model_fn)
+    accumulated = flavour.public("GradientAccumulateModel")(
         accum_steps=checked.accum_steps,
         inputs=template.inputs,
         outputs=template.outputs,
@@ -282,16 +264,16 @@ def run(
         dst.set_weights(src.get_weights())
 
     initial = [[np.array(w) for w in layer.get_weights()] for layer in reference.layers]
-    hidden = [_hidden_state(keras, layer) for layer in reference.layers]
-    reference.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
-    accumulated.compile(optimizer=keras.new_optimizer(optimizer), loss=loss)
+    hidden = [_hidden_state(flavour, layer) for layer in reference.layers]
+    reference.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
+    accumulated.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
     _train(reference, x, y, big, checked, "plain, big batch")
     _train(accumulated, x, y, checked.micro_batch_size, checked, "accumulated")
     changed = [
         [name for name, variable, start in found if _changed(variable, start)]
         for found in hidden
     ]
-    return _report(keras, reference, accumulated, initial, checked, changed)
+    return _report(flavour, reference, accumulated, initial, checked, changed)
 
 
 def _train(model: Any, x: Any, y: Any, batch_size: int, options, run: str) -> None:
@@ -348,43 +330,51 @@ def _take(data: Any, name: str, needed: int) -> Any:
     return tf.nest.pack_sequence_as(data, [a[:needed] for a in arrays])
 
 
-def _build(keras: Keras, model_fn: Callable[[], Any]) -> Any:
+def _build(flavour: Flavour, model_fn: Callable[[], Any]) -> Any:
     model = model_fn()
-    if not isinstance(model, keras.model):
+    if not isinstance(model, flavour.keras.Model):
         raise TypeError(
-            f"`model_fn` must return a {keras.package}.Model. Received: "
+            f"`model_fn` must return a {flavour.name}.Model. Received: "
             f"{type(model).__name__}. "
-            + other_keras(model, keras.package, "The model it returned")
+            + other_keras(model, flavour.name, "The model it returned")
         )
     if not getattr(model, "inputs", None) or not getattr(model, "outputs", None):
         raise ValueError(
             "`model_fn` must return a functional or Sequential model with "
-            f"symbolic inputs (built from {keras.package}.Input): verify "
+            f"symbolic inputs (built from {flavour.name}.Input): verify "
             "rebuilds it as GradientAccumulateModel(inputs=model.inputs, "
             "outputs=model.outputs). Subclassed models have none."
         )
     return model
 
 
-def _optimizer_spec(keras: Keras, optimizer: Any, model: Any) -> Any:
+def _optimizer_spec(flavour: Flavour, optimizer: Any, model: Any) -> Any:
+    accumulating = flavour.public("GradientAccumulateOptimizer")
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
             return "sgd"
-        if isinstance(optimizer, keras.accumulating_optimizer):
+        if isinstance(optimizer, accumulating):
             return optimizer.inner_optimizer
-    if isinstance(optimizer, keras.accumulating_optimizer):
+    if isinstance(optimizer, accumulating):
         raise TypeError(
             "`optimizer` must be the optimizer without accumulation: verify "
             "compares it with and without GradientAccumulateModel. Received: "
             f"optimizer={optimizer!r}."
         )
-    if isinstance(optimizer, (str, *keras.optimizers)):
+    if isinstance(optimizer, (str, *flavour.optimizers)):
         return optimizer
     raise TypeError(
         "`optimizer` must be a Keras optimizer name or instance. "
         f"Received: optimizer={optimizer!r}."
     )
+
+
+def _new_optimizer(flavour: Flavour, spec: Any) -> Any:
+    """A fresh optimizer per run: the two runs must not share its state."""
+    if isinstance(spec, str):
+        return flavour.keras.optimizers.get(spec)
+    return flavour.copy_optimizer(spec)
 
 
 def _loss_spec(loss: Any, model: Any) -> Any:
@@ -408,11 +398,11 @@ def _check_same_architecture(a: Any, b: Any) -> None:
         )
 
 
-def _hidden_state(keras: Keras, layer: Any) -> list[tuple[str, Any, np.ndarray]]:
+def _hidden_state(flavour: Flavour, layer: Any) -> list[tuple[str, Any, np.ndarray]]:
     """``(name, variable, value now)`` of every TensorFlow variable that
     ``layer`` or a layer nested in it holds outside its weights (TensorFlow
     Model Optimization's pruning wrapper keeps its step and masks so)."""
-    layers = keras.sublayers(layer)
+    layers = flavour.sublayers(layer)
     # A layer may hold variables in `weights` that `get_weights()` leaves
     # out (the pruning wrapper: its own after the wrapped layer's).
     held = [
@@ -470,32 +460,32 @@ def _changed(variable: Any, start: np.ndarray) -> bool:
 
 
 def _own_causes(
-    keras: Keras, layer: Any, stateful: set[int], accum_steps: int
+    flavour: Flavour, layer: Any, stateful: set[int], accum_steps: int
 ) -> list[str]:
     """Reasons why ``layer`` (or a layer nested in it) cannot match."""
     causes = []
-    for sub in keras.sublayers(layer):
+    for sub in flavour.sublayers(layer):
         prefix = "" if sub is layer else f"nested {sub.name} ({type(sub).__name__}): "
-        if isinstance(sub, keras.accum_batch_norm):
+        if isinstance(sub, flavour.public("AccumBatchNormalization")):
             causes.append(prefix + _ACCUM_BATCH_NORM)
-        elif isinstance(sub, keras.batch_norms):
+        elif isinstance(sub, flavour.batch_norms):
             causes.append(prefix + _BATCH_NORM)
-        elif keras.draws_random(sub):
+        elif flavour.draws_random(sub):
             causes.append(prefix + _RANDOM.format(k=accum_steps))
         elif any(id(w) in stateful for w in sub.non_trainable_weights):
             causes.append(prefix + _STATEFUL.format(k=accum_steps))
     return causes
 
 
-def _report(
-    keras: Keras,
+def _compare(
+    flavour: Flavour,
     reference: Any,
     accumulated: Any,
     initial: Sequence[Sequence[np.ndarray]],
-    options: Options,
-    hidden_changes: Sequence[Sequence[str]],
-) -> VerifyReport:
-    tolerance, accum_steps = options.tolerance, options.accum_steps
+    tolerance: float,
+) -> tuple[list[list[VariableCheck]], float, set[int]]:
+    """Every variable's check, layer by layer; how far training moved the
+    trainable ones; the ids of the non-trainable ones it changed."""
     stateful = set()
     checks: list[list[VariableCheck]] = []
     moved = 0.0
@@ -512,7 +502,7 @@ def _report(
                 stateful.add(id(var))
             variables.append(
                 VariableCheck(
-                    name=keras.variable_name(var),
+                    name=flavour.variable_name(var),
                     shape=tuple(var.shape),
                     trainable=bool(var.trainable),
                     max_abs_diff=diff,
@@ -521,16 +511,30 @@ def _report(
                 )
             )
         checks.append(variables)
+    return checks, moved, stateful
 
+
+def _report(
+    flavour: Flavour,
+    reference: Any,
+    accumulated: Any,
+    initial: Sequence[Sequence[np.ndarray]],
+    options: Options,
+    hidden_changes: Sequence[Sequence[str]],
+) -> VerifyReport:
+    tolerance, accum_steps = options.tolerance, options.accum_steps
+    checks, moved, stateful = _compare(
+        flavour, reference, accumulated, initial, tolerance
+    )
     differs = any(not v.ok for vs in checks for v in vs)
-    own = [_own_causes(keras, x, stateful, accum_steps) for x in reference.layers]
+    own = [_own_causes(flavour, x, stateful, accum_steps) for x in reference.layers]
     for causes, names in zip(own, hidden_changes):
         if names:
             causes.append(_HIDDEN.format(names=", ".join(names), k=accum_steps))
     culprits = [layer.name for layer, causes in zip(reference.layers, own) if causes]
     layers = []
     for layer, variables, causes in zip(reference.layers, checks, own):
-        if isinstance(layer, keras.input_layer):
+        if isinstance(layer, flavour.keras.layers.InputLayer):
             continue
         # A layer without variables fails when it explains a failure.
         ok = all(v.ok for v in variables) if variables else not (differs and causes)

@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 
@@ -42,36 +43,86 @@ class Flavour:
     name: str  # its top-level package (``keras``, ``tf_keras``), in messages
     keras: ModuleType  # the Keras module: Model, layers, callbacks, saving, ...
 
-    # --- optimizer host (hosts/optimizer.py). Defaults: so that fields of
-    # other sections may come in any order; every flavour sets them all.
+    # --- batch norm (hosts/batch_norm.py)
+    # (layer, axis, synchronized, kwargs) -> (axis, the base class's keywords
+    # beyond the shared ones); refuses or takes out of kwargs what it lacks.
+    batch_norm_options: Callable[..., tuple[Any, dict]]
+    # (layer, accum_steps) -> an engine whose variables the layer tracks and
+    # saves as its own weights.
+    layer_engine: Callable[[Any, int], Any]
+    # (layer, input rank): what a build adds to Keras' (tf-keras: any rank).
+    batch_norm_built: Callable[[Any, int], None]
+    # (layer, input rank) -> whether the moving variance takes the unbiased
+    # variance (tf-keras' fused kernel does).
+    unbiased_variance: Callable[[Any, int], bool]
+    fixed_weight: dict  # add_weight keywords: no autocast under mixed precision
+    own_initializer: Callable  # an initializer's copy for one more weight
+    training_flag: Callable  # a call's `training` as a Python bool or None
+    # (layer, x, mask, axes) -> (mean, variance) to normalise with, and this
+    # replica's own (mean, variance).
+    batch_norm_moments: Callable[..., tuple[tuple, tuple]]
+    # (variable, value, momentum): its BatchNormalization's update, verbatim.
+    moving_average: Callable[[Any, Any, float], None]
+    # The engine's divisor of the pooled sums: the cycle's calls (True), or 1
+    # a cycle (the unbiased variance needs the big batch's size).
+    counts_calls: bool
+
+    # --- accumulate() (hosts/in_place.py)
+    custom_names: dict  # class -> the name saved files give it
+    compiled: Callable[[Any], bool]
+    # (model, its own class) -> the config a model made accumulating saves:
+    # its own class's and the settings.
+    accumulated_config: Callable[[Any, type], dict]
+
+    # --- replace_batchnorm_layers (hosts/replace_layers.py)
+    graph_models: tuple[type, ...]  # the models it can rebuild layer by layer
+    # (model, clone_layer) -> a copy of a functional or Sequential model,
+    # nested ones included, with clone_layer(layer) for every other layer.
+    clone_graph: Callable
+    # model wrapper -> the keyword arguments that rebuild it with its settings
+    wrapper_settings: Callable[[Any], dict]
+    # Options of its BatchNormalization that AccumBatchNormalization lacks
+    # (refused when set), and the config a new layer gets beyond the old's.
+    batch_norm_unsupported: tuple[str, ...]
+    batch_norm_config: Callable[[Any], dict]
+
+    # --- verify (hosts/equivalence.py)
+    optimizers: tuple[type, ...]  # its optimizer classes
+    batch_norms: tuple[type, ...]  # its BatchNormalization classes
+    copy_optimizer: Callable[[Any], Any]  # a new optimizer from one's config
+    sublayers: Callable[[Any], list]  # a layer and every layer nested in it
+    draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
+    variable_name: Callable[[Any], str]  # a variable's name in its layer
+
+    # --- optimizer host (hosts/optimizer.py)
     # What counts as an optimizer to wrap, and its name in messages.
-    optimizer_kinds: tuple = ()
-    optimizer_text: str = ""
+    optimizer_kinds: tuple
+    optimizer_text: str
     # The wrapper's keyword arguments to its base class' constructor.
-    optimizer_base_arguments: tuple = ()
+    optimizer_base_arguments: tuple
     # (wrapper, Settings) -> the wrapper's unbuilt engine.
-    optimizer_engine: Callable | None = None
+    optimizer_engine: Callable
     # Whether the wrapper makes its engine's variables in the strategy it
     # was made under (not needed where the Keras' variables find it).
-    optimizer_keeps_strategy: bool = False
-    optimizer_built: Callable | None = None  # wrapper -> has it been built
-    build_optimizer: Callable | None = None  # (optimizer, variables) -> None
-    own_optimizer_variables: Callable | None = None  # wrapper -> its state
-    optimizer_state: Callable | None = None  # optimizer -> its variables
-    serialize_optimizer: Callable | None = None
-    deserialize_optimizer: Callable | None = None  # (config, custom_objects)
+    optimizer_keeps_strategy: bool
+    optimizer_built: Callable  # wrapper -> has it been built
+    build_optimizer: Callable  # (optimizer, variables) -> None
+    own_optimizer_variables: Callable  # wrapper -> its state
+    optimizer_state: Callable  # optimizer -> its variables
+    serialize_optimizer: Callable
+    deserialize_optimizer: Callable  # (config, custom_objects)
     # Keys the Keras adds to the wrapper's config, dropped on load.
-    optimizer_config_extras: tuple = ()
+    optimizer_config_extras: tuple
     # The loss scaler around the wrapper, when called from its method.
-    wrapping_loss_scaler: Callable | None = None
+    wrapping_loss_scaler: Callable
     # The Keras' loss-scale module: its adopt, scale_hooks and
     # apply_gradients (which applies replica-summed gradients).
-    loss_scaling: ModuleType | None = None
+    loss_scaling: ModuleType
     # Whether an adopted scaler's dynamic scale replaces the wrapped
     # optimizer's static ``loss_scale_factor``.
-    scaler_replaces_loss_scale_factor: bool = False
+    scaler_replaces_loss_scale_factor: bool
     # scaler or None -> the scale the gradients given the wrapper carry.
-    gradient_scale: Callable | None = None
+    gradient_scale: Callable
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),

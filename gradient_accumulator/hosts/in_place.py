@@ -1,56 +1,46 @@
 """How ``accumulate()`` makes a model you already have accumulate, and
 ``stop_accumulating()`` undoes it, written once for Keras 3 and tf-keras:
 the instance gets a private class derived from its Keras' model wrapper and
-its own class. Each Keras' ``accumulate`` module describes its Keras in a
-:class:`Keras` and keeps the public functions and their docs."""
+its own class. Each Keras' ``accumulate`` module keeps the public function
+``accumulate`` and its docs (``stop_accumulating``, which needs no Keras, is
+this module's); the host learns the Keras from its flavour record."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 from collections.abc import Callable
+from typing import TypeVar
 
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.settings import SAVED, Settings
 from gradient_accumulator.core.validation import check_single_accumulation
+from gradient_accumulator.hosts.flavour import Flavour
 
 # Saved files name this loader, which rebuilds the model's own class first.
 LOADER = "gradient_accumulator>Accumulating"
 MODEL_CLASS = "accumulated_class"
 
 
-@dataclasses.dataclass(frozen=True)
-class Keras:
-    """What making a model accumulating needs of one Keras."""
-
-    package: str  # its top-level package: whose train_step is the plain one
-    model: type  # its Model
-    wrapper: type  # its GradientAccumulateModel
-    custom_names: dict  # class -> the name saved files give it
-    registered_name: Callable[[type], str]
-    registered_object: Callable  # (name, custom_objects) -> class or None
-    compiled: Callable[[object], bool]
-    # The config a model made accumulating saves: its own class's and the
-    # settings (without the loader's reference to its class).
-    config: Callable[[object, type], dict]
-    classes: dict = dataclasses.field(default_factory=dict)
+M = TypeVar("M")  # a model of either Keras
+# Each accumulating class made, by the model's own class.
+_CLASSES: dict[type, type] = {}
 
 
-def start(keras: Keras, model, settings: Callable[[], Settings]):
+def start(flavour: Flavour, model, settings: Callable[[], Settings]):
     """Checks ``model``, then makes it accumulate with ``settings()``."""
-    if not isinstance(model, keras.model):
+    if not isinstance(model, flavour.keras.Model):
         raise TypeError(
-            f"`model` must be a {keras.package}.Model instance. "
+            f"`model` must be a {flavour.name}.Model instance. "
             f"Received: model={model!r} of type {type(model).__name__}. "
-            + other_keras(model, keras.package, "`model`")
+            + other_keras(model, flavour.name, "`model`")
         )
-    if isinstance(model, keras.wrapper):
+    if isinstance(model, flavour.public("GradientAccumulateModel")):
         raise ValueError(
             f"This {type(model).__name__} accumulates already; call "
             "stop_accumulating(model) first to change its settings."
         )
     own = type(model)
-    if own.train_step is not _plain_train_step(own, keras.package):
+    if own.train_step is not _plain_train_step(own, flavour.name):
         raise ValueError(
             f"{own.__name__} overrides `train_step`, which accumulate() would "
             "replace. Accumulate in that train_step instead (e.g. with "
@@ -58,24 +48,39 @@ def start(keras: Keras, model, settings: Callable[[], Settings]):
             "`compute_loss`, which accumulate() keeps."
         )
     checked = settings()
-    if keras.compiled(model):
+    if flavour.compiled(model):
         check_single_accumulation(
             getattr(model, "optimizer", None),
             "accumulate",
             checked.accum_steps,
             stacklevel=4,
         )
-    model.__class__ = _accumulating_class(keras, own)
+    model.__class__ = _accumulating_class(flavour, own)
     model._start_accumulating(checked)
-    if keras.compiled(model):
+    if flavour.compiled(model):
         # The train function Keras traced, if any, is plain training.
         model.train_function = None
         model._sync_state()
     return model
 
 
-def stop(model, flush: bool):
-    """``stop_accumulating``: see the Keras 3 ``accumulate`` module."""
+def stop_accumulating(model: M, flush: bool = True) -> M:
+    """Returns a model made accumulating by :func:`accumulate` to plain
+    training (its own class), in place.
+
+    A pending partial cycle is applied first (``flush=True``, the default) or
+    dropped. Compile the model again before training it further.
+
+    Args:
+        model: a model made accumulating by :func:`accumulate`.
+        flush: apply (True) or drop (False) a pending partial cycle.
+
+    Raises:
+        ValueError: ``model`` was not made accumulating by :func:`accumulate`.
+
+    Returns:
+        ``model`` itself.
+    """
     own = getattr(type(model), "_accumulated_class", None)
     if own is None:
         raise ValueError(
@@ -98,21 +103,21 @@ def _plain_train_step(cls: type, package: str):
     return None
 
 
-def _accumulating_class(keras: Keras, own: type) -> type:
-    if own not in keras.classes:
+def _accumulating_class(flavour: Flavour, own: type) -> type:
+    if own not in _CLASSES:
 
         def get_config(self) -> dict:
-            config = keras.config(self, own)
+            config = flavour.accumulated_config(self, own)
             config[MODEL_CLASS] = {
                 "module": own.__module__,
                 "class_name": own.__name__,
-                "registered_name": keras.registered_name(own),
+                "registered_name": flavour.keras.saving.get_registered_name(own),
             }
             return config
 
         cls = type(
             own.__name__,
-            (keras.wrapper, own),
+            (flavour.public("GradientAccumulateModel"), own),
             {
                 "__module__": own.__module__,
                 "__qualname__": own.__qualname__,
@@ -120,20 +125,33 @@ def _accumulating_class(keras: Keras, own: type) -> type:
                 "get_config": get_config,
             },
         )
-        keras.custom_names[cls] = LOADER
-        keras.classes[own] = cls
-    return keras.classes[own]
+        flavour.custom_names[cls] = LOADER
+        _CLASSES[own] = cls
+    return _CLASSES[own]
 
 
-def load(keras: Keras, config: dict, custom_objects, accumulate: Callable):
-    """Rebuilds a model saved after ``accumulate`` with its own class's
-    ``from_config``, then makes it accumulate with the saved settings."""
-    config = dict(config)
-    reference = config.pop(MODEL_CLASS)
-    settings = {k: config.pop(k) for k in SAVED if k in config}
-    name = reference["registered_name"]
-    own = (custom_objects or {}).get(name) or keras.registered_object(name)
-    if own is None:
-        module = importlib.import_module(reference["module"])
-        own = getattr(module, reference["class_name"])
-    return accumulate(own.from_config(config), **settings)
+class Loader:
+    """Mixin for a Keras' ``Accumulating``, the class saved files name: it
+    loads a model saved after ``accumulate``."""
+
+    _flavour: Flavour
+
+    def get_config(self) -> dict:  # Keras registers only classes that have one
+        raise NotImplementedError("Models save the config of their own class.")
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        """Rebuilds the model with its own class's ``from_config``, then makes
+        it accumulate with the saved settings (Keras then restores its
+        weights and the pending state)."""
+        config = dict(config)
+        reference = config.pop(MODEL_CLASS)
+        settings = {k: config.pop(k) for k in SAVED if k in config}
+        name = reference["registered_name"]
+        registered = cls._flavour.keras.saving.get_registered_object
+        own = (custom_objects or {}).get(name) or registered(name)
+        if own is None:
+            module = importlib.import_module(reference["module"])
+            own = getattr(module, reference["class_name"])
+        model = own.from_config(config)
+        return start(cls._flavour, model, lambda: Settings(**settings))

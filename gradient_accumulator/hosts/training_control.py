@@ -1,7 +1,7 @@
 """The logic of the public cycle-control callbacks, ``AccumulationScheduler``
 and ``FlushPartialCycle``, written once for Keras 3 and tf-keras: each host
 Keras has thin subclasses that mix these into its ``Callback`` and name its
-accumulating classes (``_hosts``)."""
+flavour (``_flavour``), which gives its accumulating classes."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ import numbers
 from collections.abc import Callable, Mapping
 
 from gradient_accumulator.core.validation import check_accum_steps
+from gradient_accumulator.hosts.flavour import Flavour
 
 
-def accumulating(model, hosts: tuple[type, type]):
+def accumulating(model, flavour: Flavour):
     """The object that owns ``model``'s accumulation: the model itself if it is
-    a model wrapper (``hosts[0]``), else its optimizer wrapper (``hosts[1]``,
-    also inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    model_class, optimizer_class = hosts
-    if isinstance(model, model_class):
+    a model wrapper of ``flavour``'s Keras, else its optimizer wrapper (also
+    inside the ``LossScaleOptimizer`` that mixed precision adds)."""
+    if isinstance(model, flavour.public("GradientAccumulateModel")):
         return model
+    optimizer_class = flavour.public("GradientAccumulateOptimizer")
     optimizer = getattr(model, "optimizer", None)
     while optimizer is not None:
         if isinstance(optimizer, optimizer_class):
@@ -34,13 +35,10 @@ def accumulating(model, hosts: tuple[type, type]):
 class _Hosted:
     """A callback that acts on the accumulation of ``self.model``."""
 
-    @staticmethod
-    def _hosts() -> tuple[type, type]:
-        """(model wrapper class, optimizer wrapper class) of the host Keras."""
-        raise NotImplementedError
+    _flavour: Flavour
 
     def _target(self):
-        return accumulating(self.model, self._hosts())
+        return accumulating(self.model, self._flavour)
 
 
 class SchedulerLogic(_Hosted):

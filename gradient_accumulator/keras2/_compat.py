@@ -7,11 +7,12 @@ fails there, by name.
 
 from __future__ import annotations
 
-import sys
 from typing import NamedTuple
 
 import tensorflow as tf
 import tf_keras
+
+from gradient_accumulator import _callers
 
 try:
     from tf_keras.src.engine.functional import (
@@ -65,20 +66,10 @@ def wrapping_loss_scaler(inner):
     """The ``LossScaleOptimizer`` wrapping ``inner`` when ``inner``'s method
     is called from one of that scaler's methods (its ``build``, or
     ``minimize`` asking for gradients); else None."""
-    frame = sys._getframe(1)
     # Autograph (tf-keras 2.16 converts these calls) puts a frame of its own
     # between each pair of methods.
-    for _ in range(8):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if (
-            isinstance(candidate, tf_keras.mixed_precision.LossScaleOptimizer)
-            and getattr(candidate, "inner_optimizer", None) is inner
-        ):
-            return candidate
-        frame = frame.f_back
-    return None
+    scaler = tf_keras.mixed_precision.LossScaleOptimizer
+    return _callers.calling_wrapper(inner, scaler, frames=8)
 
 
 def draws_random(layer) -> bool:

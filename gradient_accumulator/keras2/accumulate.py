@@ -6,40 +6,12 @@ with the tf-keras ``GradientAccumulateModel``'s settings."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import tf_keras
 
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts import in_place
-from gradient_accumulator.keras2._compat import GLOBAL_CUSTOM_NAMES, config_as
-from gradient_accumulator.keras2.model import GradientAccumulateModel
-
-# The keyword settings of accumulate(): the tf-keras model wrapper's (it has
-# no in-step mode).
-SETTINGS = tuple(
-    f.name
-    for f in dataclasses.fields(Settings)
-    if f.name not in ("accum_steps", "micro_batch_size")
-)
-
-
-def _config(model, own: type) -> dict:
-    # Its own class's config, with the settings the model wrapper saves.
-    settings = {k: v for k, v in model._setup.saved().items() if k in SETTINGS}
-    return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
-
-
-KERAS = in_place.Keras(
-    package="tf_keras",
-    model=tf_keras.Model,
-    wrapper=GradientAccumulateModel,
-    custom_names=GLOBAL_CUSTOM_NAMES,
-    registered_name=tf_keras.saving.get_registered_name,
-    registered_object=tf_keras.saving.get_registered_object,
-    compiled=lambda model: model._is_compiled,
-    config=_config,
-)
+from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
+from gradient_accumulator.keras2.flavour import FLAVOUR, SETTINGS
 
 
 def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
@@ -86,27 +58,14 @@ def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
             f"Its settings: {', '.join(SETTINGS)}."
         )
     return in_place.start(
-        KERAS, model, lambda: Settings(accum_steps=accum_steps, **settings)
+        FLAVOUR, model, lambda: Settings(accum_steps=accum_steps, **settings)
     )
 
 
-def stop_accumulating(model: tf_keras.Model, flush: bool = True) -> tf_keras.Model:
-    """Returns a model made accumulating by :func:`accumulate` to plain
-    training (its own class), in place, after applying (``flush=True``) or
-    dropping its pending partial cycle. Compile it again before training it
-    further. A ``ValueError`` for a model not made accumulating."""
-    return in_place.stop(model, flush)
-
-
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
-class Accumulating:
+class Accumulating(in_place.Loader):
     """Loads a tf-keras model saved after :func:`accumulate`: rebuilds it
     with its own class's ``from_config``, then makes it accumulate with the
     saved settings."""
 
-    def get_config(self) -> dict:  # registered classes must have one
-        raise NotImplementedError("Models save the config of their own class.")
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        return in_place.load(KERAS, config, custom_objects, accumulate)
+    _flavour = FLAVOUR

@@ -7,13 +7,7 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts import training_control
-
-
-def _hosts() -> tuple[type, type]:
-    from gradient_accumulator.keras2.model import GradientAccumulateModel
-    from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
-
-    return GradientAccumulateModel, GradientAccumulateOptimizer
+from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
 class AccumulationScheduler(
@@ -46,7 +40,7 @@ class AccumulationScheduler(
     5
     """
 
-    _hosts = staticmethod(_hosts)
+    _flavour = FLAVOUR
 
 
 class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback):
@@ -57,4 +51,4 @@ class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback
     ``partial_cycle`` argument). As the Keras 3 ``FlushPartialCycle``.
     """
 
-    _hosts = staticmethod(_hosts)
+    _flavour = FLAVOUR

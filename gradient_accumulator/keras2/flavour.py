@@ -3,12 +3,22 @@ API and the private names in ``keras2/_compat``."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator._which_keras import TF_KERAS
 from gradient_accumulator.core.engine import Engine
+from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.keras2 import _compat, inner_optimizers, loss_scale
+from gradient_accumulator.keras2._compat import (
+    GLOBAL_CUSTOM_NAMES,
+    Functional,
+    config_as,
+    draws_random,
+)
 
 
 def _deserialize_optimizer(config, custom_objects):
@@ -23,6 +33,139 @@ def _build_optimizer(optimizer, variables) -> None:
     # A legacy optimizer makes its slots when it first applies.
     if not isinstance(optimizer, inner_optimizers.LegacyOptimizer):
         optimizer.build(variables)
+
+
+# --- batch norm
+class LayerEngine(Engine):
+    """An engine whose variables are its layer's (non-trainable) weights, so
+    the layer saves and restores them with its own."""
+
+    def __init__(self, layer, accum_steps: int):
+        super().__init__(accum_steps, name="accumulator")
+        self._layer = layer
+
+    def _make_variable(self, name, shape, dtype, initializer, **kwargs):
+        if not isinstance(initializer, str):
+            initializer = tf_keras.initializers.Constant(initializer)
+        synchronization = kwargs.get("synchronization", "auto").upper()
+        aggregation = kwargs.get("aggregation", "none").upper()
+        return self._layer.add_weight(
+            name,
+            shape,
+            dtype,
+            initializer,
+            trainable=False,
+            experimental_autocast=False,
+            synchronization=getattr(tf.VariableSynchronization, synchronization),
+            aggregation=getattr(tf.VariableAggregation, aggregation),
+        )
+
+
+def _batch_norm_options(layer, axis, synchronized, kwargs):
+    if isinstance(axis, list | tuple) and len(axis) == 1:
+        axis = axis[0]  # a built tf-keras BatchNormalization's config
+    if synchronized:
+        raise ValueError(
+            "The tf-keras AccumBatchNormalization does not support "
+            "`synchronized=True`. Received: synchronized=True."
+        )
+    # tf-keras' fused kernel (its default for rank-4/5 inputs) updates the
+    # moving variance with the unbiased variance: so does the layer, there.
+    layer._fused_default = kwargs.pop("fused", None) is not False
+    for unsupported in ("virtual_batch_size", "adjustment"):
+        kwargs.pop(unsupported, None)
+    return axis, {"fused": False}
+
+
+def _unbiased_variance(layer, rank: int) -> bool:
+    fused = rank in (4, 5) and layer._feature_axis % rank in (1, rank - 1)
+    return layer._fused_default and fused
+
+
+def _batch_norm_built(layer, rank: int) -> None:
+    if layer._feature_axis == -1:
+        # Any rank, as 0.5.x allowed: only the channels are fixed.
+        channels = layer.moving_mean.shape[0]
+        layer.input_spec = tf_keras.layers.InputSpec(min_ndim=2, axes={-1: channels})
+
+
+def _training_flag(training):
+    if training is None:
+        training = tf_keras.backend.learning_phase()
+    return tf.get_static_value(training)
+
+
+def _batch_norm_moments(layer, inputs, mask, axes):
+    if mask is None:
+        moments = tf.nn.moments(inputs, axes)
+    else:
+        weights = tf.cast(tf.expand_dims(mask, -1), inputs.dtype)
+        moments = tf.nn.weighted_moments(inputs, axes, weights)
+    return moments, moments
+
+
+def _moving_average(variable, value, momentum: float) -> None:
+    variable.assign_sub((variable - value) * (1.0 - momentum))
+
+
+# --- accumulate()
+# The keyword settings of accumulate(): the tf-keras model wrapper's (it has
+# no in-step mode).
+SETTINGS = tuple(
+    f.name
+    for f in dataclasses.fields(Settings)
+    if f.name not in ("accum_steps", "micro_batch_size")
+)
+
+
+def _accumulated_config(model, own: type) -> dict:
+    # Its own class's config, with the settings the model wrapper saves.
+    settings = {k: v for k, v in model._setup.saved().items() if k in SETTINGS}
+    return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
+
+
+# --- replace_batchnorm_layers
+def _clone_graph(model, clone_layer):
+    """``tf_keras.models.clone_model`` into nested models too (it has no
+    ``recursive``: it would rebuild a nested model from its config, with new
+    weights and its BatchNormalization layers unchanged)."""
+
+    def clone(layer):
+        if isinstance(layer, Functional):  # Sequential models included
+            return _clone_graph(layer, clone_layer)
+        return clone_layer(layer)
+
+    return tf_keras.models.clone_model(model, clone_function=clone)
+
+
+def _wrapper_settings(model) -> dict:
+    settings = {**model._setup.saved(), "skip_update_fn": model._setup.skip_update_fn}
+    settings.pop("micro_batch_size")  # not an argument of the tf-keras wrapper
+    return {**settings, "accum_steps": model.accum_steps}
+
+
+def _batch_norm_config(layer) -> dict:
+    """What the new layer's config takes from ``layer`` beyond its config."""
+    axis = layer.axis
+    if not isinstance(axis, int):
+        # tf-keras turns axis into a list of positive axes when it builds.
+        if len(axis) != 1:
+            raise ValueError(
+                f"BatchNormalization {layer.name!r} normalises over several "
+                f"axes ({list(axis)}); AccumBatchNormalization takes one."
+            )
+        (axis,) = axis
+        if axis == layer.input_spec.ndim - 1:
+            axis = -1  # a channels-last layer, as it was most likely given
+    # A layer that tf-keras' fused kernel does not run (fused=False) updates
+    # its moving variance with the biased variance: so will the new one.
+    return {"axis": axis, "fused": layer.fused}
+
+
+# --- verify
+def _sublayers(layer) -> list:
+    nested = [m for m in layer.submodules if isinstance(m, tf_keras.layers.Layer)]
+    return [layer, *nested]
 
 
 FLAVOUR = Flavour(
@@ -49,4 +192,44 @@ FLAVOUR = Flavour(
     loss_scaling=loss_scale,
     scaler_replaces_loss_scale_factor=False,
     gradient_scale=lambda scaler: None,
+    # --- batch norm
+    batch_norm_options=_batch_norm_options,
+    layer_engine=LayerEngine,
+    batch_norm_built=_batch_norm_built,
+    unbiased_variance=_unbiased_variance,
+    fixed_weight={"experimental_autocast": False},
+    own_initializer=lambda initializer: initializer,
+    training_flag=_training_flag,
+    batch_norm_moments=_batch_norm_moments,
+    moving_average=_moving_average,
+    counts_calls=False,
+    # --- accumulate()
+    custom_names=GLOBAL_CUSTOM_NAMES,
+    compiled=lambda model: model._is_compiled,
+    accumulated_config=_accumulated_config,
+    # --- replace_batchnorm_layers
+    graph_models=(Functional,),  # Sequential models included
+    clone_graph=_clone_graph,
+    wrapper_settings=_wrapper_settings,
+    batch_norm_unsupported=(
+        "renorm",
+        "virtual_batch_size",
+        "adjustment",
+        "synchronized",
+    ),
+    batch_norm_config=_batch_norm_config,
+    # --- verify
+    optimizers=(tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer),
+    batch_norms=(
+        tf_keras.layers.BatchNormalization,
+        tf_keras.layers.experimental.SyncBatchNormalization,
+    ),
+    # Current or legacy, as the optimizer is.
+    copy_optimizer=lambda optimizer: type(optimizer).from_config(
+        optimizer.get_config()
+    ),
+    sublayers=_sublayers,
+    draws_random=draws_random,
+    # "dense/kernel:0" -> "kernel"
+    variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
 )

@@ -15,47 +15,9 @@ from gradient_accumulator.hosts.equivalence import (
     VariableCheck,
     VerifyReport,
 )
-from gradient_accumulator.keras2._compat import draws_random
-from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
-from gradient_accumulator.keras2.model import GradientAccumulateModel
-from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
+from gradient_accumulator.keras2.flavour import FLAVOUR
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
-
-_OPTIMIZERS = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
-
-
-def _new_optimizer(spec: Any):
-    """A fresh optimizer per run (current or legacy, as ``spec`` is)."""
-    if isinstance(spec, str):
-        return tf_keras.optimizers.get(spec)
-    return type(spec).from_config(spec.get_config())
-
-
-def _sublayers(layer) -> list:
-    nested = [m for m in layer.submodules if isinstance(m, tf_keras.layers.Layer)]
-    return [layer, *nested]
-
-
-KERAS = equivalence.Keras(
-    package="tf_keras",
-    model=tf_keras.Model,
-    wrapper=GradientAccumulateModel,
-    optimizers=_OPTIMIZERS,
-    accumulating_optimizer=GradientAccumulateOptimizer,
-    input_layer=tf_keras.layers.InputLayer,
-    batch_norms=(
-        tf_keras.layers.BatchNormalization,
-        tf_keras.layers.experimental.SyncBatchNormalization,
-    ),
-    accum_batch_norm=AccumBatchNormalization,
-    set_random_seed=tf_keras.utils.set_random_seed,
-    new_optimizer=_new_optimizer,
-    sublayers=_sublayers,
-    draws_random=draws_random,
-    # "dense/kernel:0" -> "kernel"
-    variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
-)
 
 
 def verify(
@@ -86,4 +48,4 @@ def verify(
     >>> report.ok
     True
     """
-    return equivalence.run(KERAS, model_fn, x, y, options)
+    return equivalence.run(FLAVOUR, model_fn, x, y, options)
