@@ -66,7 +66,7 @@ class ModelHost:
             raise TypeError(
                 f"{_NAME} for {self._flavour.name} got micro_batch_size="
                 f"{micro_batch_size!r}: `micro_batch_size` (in-step "
-                "micro-batching) is not available for tf-keras; use "
+                f"micro-batching) is not available with {self._flavour.name}; use "
                 "accum_steps with fit(batch_size=...) instead."
             )
         # Every setting is an argument of the same name.
