@@ -17,6 +17,8 @@ from gradient_accumulator.tracked_engine import Accumulator
 
 # --- model host
 def _model_from_config(cls, config, custom_objects, from_config):
+    """A model of class ``cls`` from its config (a functional one's holds
+    its network)."""
     if all(k in config for k in ("layers", "input_layers", "name")):
         return compat.functional_from_config(cls, config, custom_objects=custom_objects)
     return from_config(config, custom_objects=custom_objects)

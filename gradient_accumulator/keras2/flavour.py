@@ -20,6 +20,7 @@ from gradient_accumulator.keras2.inner_optimizers import apply_reduced
 # --- model host
 @tf.__internal__.tracking.no_automatic_dependency_tracking
 def _untracked(model, fn):
+    """``fn()``, with tf-keras tracking no attribute it sets on ``model``."""
     return fn()
 
 
@@ -34,6 +35,8 @@ def _functional_arguments(args, kwargs) -> bool:
 
 
 def _rebuild(cls, config, custom_objects, from_config):
+    """A model of class ``cls`` from its config: tf-keras saves a Functional
+    subclass with its own __init__ by its network and settings."""
     names = [f.name for f in dataclasses.fields(Settings)]
     settings = {k: config.pop(k) for k in names if k in config}
     if all(k in config for k in ("layers", "input_layers", "output_layers")):
