@@ -3,12 +3,15 @@ and the private names in ``_keras_compat``."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import keras
+import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator import _keras_compat, loss_scale
+from gradient_accumulator import _keras_compat as compat
+from gradient_accumulator import loss_scale
 from gradient_accumulator._keras_compat import (
     GLOBAL_CUSTOM_NAMES,
     Functional,
@@ -26,9 +29,7 @@ from gradient_accumulator.tracked_engine import Accumulator
 
 def _optimizer_engine(wrapper, settings) -> Accumulator:
     # The wrapper tracks (and saves) the engine's variables as its own.
-    return Accumulator(
-        settings, track=_keras_compat.optimizer_variable_tracker(wrapper)
-    )
+    return Accumulator(settings, track=compat.optimizer_variable_tracker(wrapper))
 
 
 # --- batch norm
@@ -65,6 +66,31 @@ def _wrapper_settings(model) -> dict:
     return {**model._settings(), "skip_update_fn": model._accumulator.skip_update_fn}
 
 
+# --- model host
+def _model_from_config(cls, config, custom_objects, from_config):
+    """A model of class ``cls`` from its config (a functional one's holds
+    its network)."""
+    if all(k in config for k in ("layers", "input_layers", "name")):
+        return compat.functional_from_config(cls, config, custom_objects=custom_objects)
+    return from_config(config, custom_objects=custom_objects)
+
+
+def _forward(model, x):
+    return model(x, training=True) if compat.call_has_training_arg(model) else model(x)
+
+
+def _compute_loss(model, x, y, y_pred, sample_weight):
+    return compat.compute_loss(
+        model, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+    )
+
+
+def _weights_under_mask(weights, mask):
+    return compat.apply_mask(
+        weights, mask, dtype="float32", reduction="mean_with_sample_weight"
+    )
+
+
 FLAVOUR = Flavour(
     name=KERAS3,
     keras=keras,
@@ -76,14 +102,14 @@ FLAVOUR = Flavour(
     optimizer_keeps_strategy=False,
     optimizer_built=lambda optimizer: optimizer.built,
     build_optimizer=lambda optimizer, variables: optimizer.build(variables),
-    own_optimizer_variables=_keras_compat.optimizer_own_variables,
+    own_optimizer_variables=compat.optimizer_own_variables,
     optimizer_state=lambda optimizer: optimizer.variables,
     serialize_optimizer=keras.saving.serialize_keras_object,
     deserialize_optimizer=lambda config, custom_objects: (
         keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)
     ),
     optimizer_config_extras=(),
-    wrapping_loss_scaler=_keras_compat.wrapping_loss_scaler,
+    wrapping_loss_scaler=compat.wrapping_loss_scaler,
     loss_scaling=loss_scale,
     scaler_replaces_loss_scale_factor=True,
     gradient_scale=loss_scale.loss_scale,
@@ -121,4 +147,31 @@ FLAVOUR = Flavour(
     sublayers=all_layers,
     draws_random=lambda layer: bool(getattr(layer, "_seed_generators", None)),
     variable_name=lambda variable: variable.path.split("/")[-1],
+    # --- model host
+    engine=Accumulator,
+    untracked=lambda model, fn: fn(),
+    own_state=_no_change,
+    disown_state=_no_change,
+    keras_tensor=keras.KerasTensor,
+    functional=compat.Functional,
+    functional_arguments=compat.functional_init_arguments,
+    network_config=_no_change,
+    model_from_config=_model_from_config,
+    in_step=True,
+    forward=_forward,
+    compute_loss=_compute_loss,
+    loss_terms=compat.flat_losses,
+    term_outputs=lambda y_pred: y_pred,
+    merge_mask=_weights_under_mask,
+    guards_empty_masks=True,
+    # Keras divides each replica's loss by the replica count so that a sum
+    # of replica gradients is a mean. The engine divides by the summed
+    # micro-batch weights itself, so differentiate the per-replica loss as
+    # it is.
+    whole_loss=compat.unscale_loss_for_distribution,
+    means_divided=False,
+    replicas=lambda model: tf.distribute.get_strategy().num_replicas_in_sync,
+    loss_tracker=compat.loss_tracker,
+    builds_optimizer=True,
+    state_scope=lambda model: contextlib.nullcontext(),
 )

@@ -46,6 +46,11 @@ def loss_scale(optimizer) -> tf.Tensor | None:
     return None
 
 
+def scale_loss(optimizer, loss):
+    """``loss`` multiplied by ``optimizer``'s loss scale (Keras' own rule)."""
+    return optimizer.scale_loss(loss)
+
+
 def apply_gradients(optimizer, grads: Sequence, variables: Sequence) -> None:
     """Applies unscaled, accumulated, replica-summed ``grads`` (replica context)."""
     optimizer = host.applying(LossScaleOptimizer, optimizer)

@@ -115,7 +115,8 @@ class Flavour:
     optimizer_config_extras: tuple
     # The loss scaler around the wrapper, when called from its method.
     wrapping_loss_scaler: Callable
-    # The Keras' loss-scale module: its adopt, scale_hooks and
+    # The Keras' loss-scale module, the same functions in each: scaler_of,
+    # loss_scale, scale_loss, scale_hooks (the engine's), adopt and
     # apply_gradients (which applies replica-summed gradients).
     loss_scaling: ModuleType
     # Whether an adopted scaler's dynamic scale replaces the wrapped
@@ -123,6 +124,52 @@ class Flavour:
     scaler_replaces_loss_scale_factor: bool
     # scaler or None -> the scale the gradients given the wrapper carry.
     gradient_scale: Callable
+
+    # --- model host (hosts/model.py, hosts/micro_batch.py, hosts/in_step.py)
+    # Construction and saving.
+    engine: type  # the engine class a model holds its state in
+    # (model, fn): fn(), without tracking the attributes it sets as the
+    # model's (tf-keras would make the engine's variables model weights).
+    untracked: Callable
+    # (model, name, engine) / (model, name): makes the engine a checkpoint
+    # dependency of the model, or no longer (no-ops where Keras tracks it).
+    own_state: Callable
+    disown_state: Callable
+    keras_tensor: type  # symbolic inputs: (inputs, outputs) given
+    functional: type  # Keras' Functional
+    # (args, kwargs) -> whether Keras builds a functional model of them.
+    functional_arguments: Callable
+    # (model) -> the network config of a functional model, or None to take
+    # Keras' get_config.
+    network_config: Callable
+    # (cls, config, custom_objects, from_config): a model from its config
+    # (from_config: Keras' own, for a config of no network).
+    model_from_config: Callable
+    in_step: bool  # has in-step micro-batching (micro_batch_size)
+    forward: Callable  # (model, x) -> y_pred, in training
+    # (model, x, y, y_pred, sample_weight) -> the loss Keras differentiates.
+    compute_loss: Callable
+    # (model) -> the compiled loss terms (``.loss``, ``.path`` into
+    # term_outputs(y_pred)), [] before compile or for a custom loss.
+    loss_terms: Callable
+    term_outputs: Callable  # (y_pred) -> what paths index
+    # (weights, mask) -> the sample weights as "mean_with_sample_weight"
+    # masks them; None: no such reduction (no sample weights asked).
+    merge_mask: Callable
+    # Keras' masked mean guards a mask of no entry (0 / 0) itself.
+    guards_empty_masks: bool
+    # The replica convention (see core/loss_plan.py): (loss) -> the loss
+    # Keras divided by the replica count made whole again, and whether
+    # Keras divides only mean terms (and the penalty) instead.
+    whole_loss: Callable
+    means_divided: bool
+    replicas: Callable  # (model) -> replicas in sync
+    loss_tracker: Callable  # (model) -> the logged loss's Mean, or None
+    # Keras builds the optimizer only at its first apply, after the step
+    # reads the loss scale: the host builds it first.
+    builds_optimizer: bool
+    # (model) -> a context in which the step builds the engine's variables.
+    state_scope: Callable
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),

@@ -168,6 +168,34 @@ def _sublayers(layer) -> list:
     return [layer, *nested]
 
 
+# --- model host
+@tf.__internal__.tracking.no_automatic_dependency_tracking
+def _untracked(model, fn):
+    """``fn()``, with tf-keras tracking no attribute it sets on ``model``."""
+    return fn()
+
+
+def _functional_arguments(args, kwargs) -> bool:
+    """Whether a model is built from ``inputs`` and ``outputs`` (tf-keras'
+    rule: both positional, the first positional, or both keywords)."""
+    return (
+        len(args) == 2
+        or (len(args) == 1 and "outputs" in kwargs)
+        or ("inputs" in kwargs and "outputs" in kwargs)
+    )
+
+
+def _rebuild(cls, config, custom_objects, from_config):
+    """A model of class ``cls`` from its config: tf-keras saves a Functional
+    subclass with its own __init__ by its network and settings."""
+    names = [f.name for f in dataclasses.fields(Settings)]
+    settings = {k: config.pop(k) for k in names if k in config}
+    if all(k in config for k in ("layers", "input_layers", "output_layers")):
+        inputs, outputs, _ = _compat.reconstruct_from_config(config, custom_objects)
+        return cls(inputs=inputs, outputs=outputs, name=config.get("name"), **settings)
+    return cls(**config, **settings)
+
+
 FLAVOUR = Flavour(
     name=TF_KERAS,
     keras=tf_keras,
@@ -232,4 +260,32 @@ FLAVOUR = Flavour(
     draws_random=draws_random,
     # "dense/kernel:0" -> "kernel"
     variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
+    # --- model host
+    engine=Engine,
+    # The engine is not a layer attribute (its variables would join the
+    # model's weights) but a checkpoint dependency of its own.
+    untracked=_untracked,
+    own_state=_compat.track_state,
+    disown_state=_compat.untrack_state,
+    keras_tensor=tf_keras.__internal__.KerasTensor,
+    functional=_compat.Functional,
+    functional_arguments=_functional_arguments,
+    network_config=_compat.functional_config,
+    model_from_config=_rebuild,
+    in_step=False,
+    forward=lambda model, x: model(x, training=True),
+    compute_loss=lambda model, *args: model.compute_loss(*args),
+    loss_terms=_compat.loss_terms,
+    term_outputs=tf.nest.flatten,
+    merge_mask=None,
+    guards_empty_masks=False,
+    # tf-keras divides a mean-reduced loss (and the regularisation losses)
+    # by the replica count and lets the optimizer sum the replicas; a
+    # "sum"-reduced term it does not divide (see core/loss_plan.py).
+    whole_loss=lambda loss: loss,
+    means_divided=True,
+    replicas=lambda model: model.distribute_strategy.num_replicas_in_sync,
+    loss_tracker=lambda model: None,  # compute_loss updates it
+    builds_optimizer=False,
+    state_scope=lambda model: model.distribute_strategy.scope(),
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
+import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
@@ -30,6 +31,18 @@ LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 # ``scaler_of(optimizer)``: ``optimizer`` if it is a LossScaleOptimizer,
 # else None.
 scaler_of = functools.partial(host.scaler_of, LossScaleOptimizer)
+
+
+def loss_scale(optimizer) -> tf.Tensor | None:
+    """The loss scale of ``optimizer``, or None if it has none."""
+    scaler = scaler_of(optimizer)
+    return None if scaler is None else scaler.loss_scale
+
+
+def scale_loss(optimizer, loss):
+    """``loss`` multiplied by ``optimizer``'s loss scale, if it has one."""
+    scaler = scaler_of(optimizer)
+    return loss if scaler is None else scaler.get_scaled_loss(loss)
 
 
 def apply_gradients(optimizer, grads: Sequence, variables: Sequence):

@@ -570,3 +570,12 @@ def test_a_keras_3_model_given_to_the_tf_keras_classes_is_named():
             call()
         assert "the tf-keras (tf_keras, legacy Keras 2) ones" in str(error.value)
         assert "unset TF_USE_LEGACY_KERAS" in str(error.value)
+
+
+def test_micro_batch_size_is_refused_at_construction():
+    """tf-keras has no in-step micro-batching: the argument is named at
+    construction (before: tf-keras' "Keyword argument not understood")."""
+    inputs = tf_keras.Input((4,))
+    outputs = tf_keras.layers.Dense(1)(inputs)
+    with pytest.raises(TypeError, match=r"`micro_batch_size`.*not available"):
+        GradientAccumulateModel(micro_batch_size=2, inputs=inputs, outputs=outputs)

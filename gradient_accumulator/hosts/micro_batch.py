@@ -1,0 +1,182 @@
+"""One micro-batch's forward and backward pass in the model wrapper, written
+once for Keras 3 and tf-keras: the loss Keras computes, its denominators,
+the :class:`~gradient_accumulator.core.loss_plan.LossPlan` applied to it,
+and the gradients the engine takes. Shared by the streaming ``train_step``
+(one micro-batch per step) and the in-step loop (one per slice)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
+from gradient_accumulator.core.arithmetic import overwritten
+from gradient_accumulator.core.loss_plan import LossPlan, loss_plan
+from gradient_accumulator.core.split_gradients import (
+    micro_batch_gradients as split_gradients,
+)
+from gradient_accumulator.core.weighting import at, denominators
+
+
+class Micro(NamedTuple):
+    """What one micro-batch's forward and backward pass produced."""
+
+    grads: list
+    variables: list
+    y_pred: object
+    loss: tf.Tensor
+    weight: tf.Tensor  # folded into the differentiated loss
+    count: tf.Tensor  # its share of the denominator
+    samples: tf.Tensor
+    grad_weight: tf.Tensor | None  # what the engine weighs grads by, or None
+    # Each extra denominator's (grads, weight, count), see Engine.part.
+    parts: list
+    # A bool tensor: the backward pass overflowed and was redone (or None).
+    overflowed: tf.Tensor | None
+
+
+def micro_batch_gradients(
+    model, x, y, sample_weight, opens_step=None, step_samples=None
+) -> Micro:
+    """Forward pass, loss, weight and gradients of one micro-batch of
+    ``model`` (a ``ModelHost``). ``opens_step``: for an in-step slice,
+    whether it is its step's first (a bool tensor, see :func:`groups_of`);
+    ``step_samples``: for a slice, the samples of its whole step."""
+    flavour = model._flavour
+    accumulator = model._accumulator
+    # Several denominators take more than one backward pass of the tape
+    # (the loss terms are known once the first compute_loss built them),
+    # and so may an overflow under a loss scale (the plan's retry_scale).
+    persistent = (
+        flavour.loss_scaling.scaler_of(model.optimizer) is not None
+        or len(flavour.loss_terms(model)) != 1
+    )
+    with tf.GradientTape(persistent=persistent) as tape:
+        y_pred = flavour.forward(model, x)
+        if not accumulator.built:
+            # A subclassed model creates its variables in the forward pass.
+            with tf.init_scope(), flavour.state_scope(model):
+                accumulator.build(model.trainable_variables)
+        if flavour.builds_optimizer and not model.optimizer.built:
+            # Without a strategy Keras builds the optimizer at its first
+            # apply, but the loss scale is read (below) before that.
+            with tf.init_scope():
+                model.optimizer.build(model.trainable_variables)
+        outputs = y_pred if flavour.guards_empty_masks else _dividable(y_pred)
+        loss = flavour.compute_loss(model, x, y, outputs, sample_weight)
+        loss = flavour.whole_loss(loss)
+        plan = _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples)
+        if plan.drops_penalty is not None:
+            penalty = tf.add_n([tf.cast(p, loss.dtype) for p in model.losses])
+            penalty = flavour.whole_loss(penalty)
+            drop = tf.cast(plan.drops_penalty, loss.dtype) * penalty
+            if plan.penalty_divisor != 1:
+                drop = drop / plan.penalty_divisor
+            loss = loss - drop
+        objective = loss * tf.cast(plan.loss_weight, loss.dtype)
+        objective = flavour.loss_scaling.scale_loss(model.optimizer, objective)
+    variables = model.trainable_variables
+    groups = plan.groups
+    if len(groups) > 1:
+        structure = flavour.term_outputs(y_pred)
+        outputs = [at(structure, t.path) for t in flavour.loss_terms(model)]
+    else:
+        outputs = ()
+    found = split_gradients(
+        tape,
+        objective,
+        variables,
+        groups,
+        outputs=outputs,
+        unscale=plan.unscale,
+        retry_scale=plan.retry_scale,
+    )
+    return Micro(
+        grads=found.grads,
+        variables=variables,
+        y_pred=y_pred,
+        loss=loss,
+        weight=groups[0].weight,
+        count=groups[0].count,
+        samples=batch_size(x),
+        grad_weight=found.weight,
+        parts=found.parts,
+        overflowed=found.overflowed,
+    )
+
+
+def _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples) -> LossPlan:
+    """The micro-batch's :class:`LossPlan`, from its Keras' conventions."""
+    flavour = model._flavour
+    part = None
+    if step_samples is not None:
+        samples = tf.cast(batch_size(x), tf.float32)
+        part = samples / tf.cast(step_samples, tf.float32)
+    return loss_plan(
+        groups_of(model, x, y_pred, sample_weight, opens_step),
+        scale=flavour.loss_scaling.loss_scale(model.optimizer),
+        overwrites=any(overwritten(v) for v in model.trainable_variables),
+        cycle_length=model._accumulator.cycle_length,
+        part=part,
+        penalty=bool(model.losses) and loss.shape.rank == 0,
+        replicas=flavour.replicas(model),
+        means_divided=flavour.means_divided,
+    )
+
+
+def groups_of(model, x, y_pred, sample_weight, opens_step=None):
+    """The micro-batch's loss terms by denominator, with its weight and
+    count in each (see ``weighting.denominators``). A micro-batch opens
+    its cycle if the cycle is still empty and, for an in-step slice, if
+    it is its step's first (``opens_step``, a bool tensor): later slices
+    of the step do not advance the counter."""
+    flavour = model._flavour
+
+    def opens():
+        opens = model._accumulator.opens_cycle()
+        if opens_step is not None:
+            opens = tf.logical_and(opens, opens_step)
+        return opens
+
+    return denominators(
+        flavour.loss_terms(model),
+        flavour.term_outputs(y_pred),
+        # Only the "mean_with_sample_weight" reduction reads them.
+        sample_weight if flavour.merge_mask is not None else None,
+        batch_size(x),
+        opens,
+        merge_mask=flavour.merge_mask,
+    )
+
+
+def _dividable(y_pred):
+    """``y_pred`` with every mask that holds no unmasked entry replaced by
+    ones.
+
+    tf-keras' masked mean divides by the number of unmasked entries without
+    guarding 0 (Keras 3 guards it), so a micro-batch of padding alone has a
+    NaN loss, and weight 0 times NaN is NaN: the finite check would then
+    drop its whole cycle. Its weight and count (:func:`groups_of`) come
+    from the real mask, 0, so the finite mean taken instead adds nothing,
+    as the padding adds nothing to the big batch's mean.
+    """
+
+    def dividable(output):
+        mask = keras_mask(output)
+        if mask is None:
+            return output
+        some = tf.reduce_any(tf.cast(mask, tf.bool))
+        return with_keras_mask(output, tf.where(some, mask, tf.ones_like(mask)))
+
+    return tf.nest.map_structure(dividable, y_pred)
+
+
+def first(x):
+    """The first tensor of the structure ``x``."""
+    return next(t for t in tf.nest.flatten(x) if t is not None)
+
+
+def batch_size(x):
+    """The number of samples of ``x`` (a tensor)."""
+    return tf.shape(first(x))[0]

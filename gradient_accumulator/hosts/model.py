@@ -1,0 +1,406 @@
+"""The model wrapper, written once for Keras 3 and tf-keras: :class:`ModelHost`,
+the mixin under each Keras' public ``GradientAccumulateModel``.
+
+It imports no Keras: the public class names its Keras by ``_flavour`` (a
+``hosts.flavour.Flavour``). One micro-batch's forward and backward pass is
+in ``hosts/micro_batch.py``, the in-step slices (Keras 3) in
+``hosts/in_step.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from gradient_accumulator.core.links import Binding
+from gradient_accumulator.core.saved_state import weight_names
+from gradient_accumulator.core.settings import Settings, model_settings
+from gradient_accumulator.core.validation import check_single_accumulation
+from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.functional_variants import construct
+from gradient_accumulator.hosts.in_step import in_step_train_step
+from gradient_accumulator.hosts.micro_batch import Micro, micro_batch_gradients
+from gradient_accumulator.hosts.partial_cycles import (
+    PartialCycles,
+    fit_with_partial_cycles,
+)
+
+_DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
+_NAME = "GradientAccumulateModel"
+# The functional variant of each public class (see functional_variants).
+_functional_variants: dict[type, type] = {}
+_PARTIAL_CYCLES: dict = {}  # each Keras' fit callback (_partial_cycles)
+
+
+class ModelHost:
+    """What ``GradientAccumulateModel`` adds to a Keras ``Model``; see the
+    public class of each Keras for its use."""
+
+    _flavour: Flavour  # set by the public class
+
+    def __init__(
+        self,
+        accum_steps: int = 1,
+        mixed_precision: bool = False,
+        use_agc: bool = False,
+        clip_factor: float = 0.01,
+        eps: float = 1e-3,
+        experimental_distributed_support: bool = False,
+        micro_batch_size: int | None = None,
+        partial_cycle: str = "carry",
+        flush_at_end: bool = True,
+        skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
+        progress_logs: bool = False,
+        *args,
+        **kwargs,
+    ):
+        if self._is_tensor_structure(accum_steps):
+            # Keras' functional code may pass (inputs, outputs) positionally.
+            args = (accum_steps, mixed_precision, *args)
+            accum_steps, mixed_precision = 1, False
+        if micro_batch_size is not None and not self._flavour.in_step:
+            raise TypeError(
+                f"{_NAME} for {self._flavour.name} got micro_batch_size="
+                f"{micro_batch_size!r}: `micro_batch_size` (in-step "
+                f"micro-batching) is not available with {self._flavour.name}; use "
+                "accum_steps with fit(batch_size=...) instead."
+            )
+        # Every setting is an argument of the same name.
+        arguments = locals()
+        settings = model_settings(
+            kwargs,
+            mixed_precision,
+            experimental_distributed_support,
+            **{f.name: arguments[f.name] for f in dataclasses.fields(Settings)},
+        )
+        if self._flavour.functional_arguments(args, kwargs):
+            construct(
+                self,
+                super().__init__,
+                args,
+                kwargs,
+                host=self._flavour.public(_NAME),
+                functional=self._flavour.functional,
+                variants=_functional_variants,
+                namespace=self._variant_namespace,
+                register=self._register_variant,
+                keras=self._flavour.name,
+            )
+        else:
+            super().__init__(*args, **kwargs)
+        self._start_accumulating(settings)
+
+    @classmethod
+    def _variant_namespace(cls, public: type) -> dict:
+        """Extra class attributes of the functional variant of ``public``."""
+        return {}
+
+    @classmethod
+    def _register_variant(cls, variant: type, public: type) -> None:
+        # Saved files must name the public class, which rebuilds the variant.
+        names = cls._flavour.custom_names
+        names[variant] = cls._flavour.keras.saving.get_registered_name(public)
+
+    @classmethod
+    def _is_tensor_structure(cls, value) -> bool:
+        """Whether ``value`` is a symbolic tensor or a structure of them."""
+        if isinstance(value, int | float | bool | type(None)):
+            return False
+        symbolic = cls._flavour.keras_tensor
+        return any(isinstance(t, symbolic) for t in tf.nest.flatten(value))
+
+    def _start_accumulating(self, settings: Settings) -> None:
+        """Gives this model its accumulation settings and (empty) state; also
+        for a model made accumulating after construction (``accumulate``).
+        :meth:`_stop_accumulating` undoes it."""
+        self._flavour.untracked(self, lambda: self._hold_state(settings))
+
+    def _hold_state(self, settings: Settings) -> None:
+        self._setup = settings
+        self._accumulator = accumulator = settings.accumulator(self._flavour.engine)
+        self._flavour.own_state(self, "_accumulator", accumulator)
+        # Whether the traced step is Keras' own (see _plan_step); None until
+        # a train function is made for this compile().
+        self._plain: bool | None = None
+        accumulator.bind(
+            Binding(
+                variables=lambda: self.trainable_variables,
+                apply_fn=lambda: self._apply_fn(self.trainable_variables),
+                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self.optimizer),
+                strategy=lambda: self.distribute_strategy,
+                names=self._weight_names,
+            )
+        )
+
+    def _weight_names(self, variables) -> list[str]:
+        """Each variable's place in ``self.weights``: Keras' own order, the
+        one ``get_weights`` and weight files use, so the same in another
+        instance of the model (paths of auto-named layers are not)."""
+        return weight_names(self.weights, variables)
+
+    def _stop_accumulating(self) -> None:
+        """Removes what :meth:`_start_accumulating` gave this model, its
+        checkpoint dependency on the state included."""
+        self._link_batch_norm(follow=False)
+        self._flavour.untracked(self, self._release_state)
+
+    def _release_state(self) -> None:
+        self._flavour.disown_state(self, "_accumulator")
+        for name in ("_setup", "_accumulator", "_plain", "_end_of_fit"):
+            if name in vars(self):
+                delattr(self, name)
+
+    # ----------------------------------------------------------------- config
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per update (the latest value set)."""
+        return self._accumulator.accum_steps
+
+    @property
+    def _partial_cycle(self) -> str:
+        return self._setup.partial_cycle
+
+    @property
+    def _flush_at_end(self) -> bool:
+        return self._setup.flush_at_end
+
+    def set_accum_steps(self, accum_steps: int) -> None:
+        """Changes ``accum_steps`` from the next cycle boundary on.
+
+        The cycle in progress completes with the length it started with, so
+        partial sums never mix two cycle lengths. See
+        :class:`~gradient_accumulator.AccumulationScheduler`.
+        """
+        if self._accumulator.set_accum_steps(accum_steps) and self._plain:
+            # The traced step is Keras' own, which knows nothing of cycles.
+            self.make_train_function(force=True)
+
+    def flush(self) -> None:
+        """Applies the micro-batches of the current, incomplete cycle now, with
+        the gradient a big batch of just those micro-batches would give."""
+        if self._accumulator.pending:
+            # Also on a model just loaded, which has traced no step yet.
+            self._link_batch_norm(follow=True)
+        self._accumulator.flush(self.distribute_strategy)
+
+    def drop_partial_cycle(self) -> None:
+        """Discards the micro-batches of the current, incomplete cycle."""
+        if self._accumulator.pending:
+            self._link_batch_norm(follow=True)
+        self._accumulator.drop(self.distribute_strategy)
+
+    def fit(self, *args, **kwargs):
+        """Trains as Keras' ``Model.fit`` does, one micro-batch per step.
+
+        ``batch_size`` is the micro-batch: with ``accum_steps=K`` each
+        update uses the gradient of ``K * batch_size`` samples (with
+        ``micro_batch_size`` set, each ``batch_size`` batch is cut into
+        slices instead). The model's ``partial_cycle`` policy runs at every
+        epoch end; see ``GradientAccumulateModel``.
+        """
+        return fit_with_partial_cycles(
+            super().fit,
+            self,
+            _partial_cycles(self._flavour.keras),
+            self._flavour.keras.callbacks.CallbackList,
+            args,
+            kwargs,
+        )
+
+    def compile(self, *args, **kwargs):
+        """Keras' ``compile``. Refuses an optimizer with Keras' own
+        ``gradient_accumulation_steps`` (it would accumulate twice), and
+        rebuilds the accumulation state if the trainable variables changed
+        (a pending partial cycle is then dropped, with a warning)."""
+        # The defaults are the model class's own (keras-hub tasks have theirs).
+        optimizer = args[0] if args else kwargs.get("optimizer")
+        if isinstance(optimizer, dict):  # a config, as compile() accepts
+            try:
+                optimizer = self._flavour.keras.optimizers.get(optimizer)
+            except (TypeError, ValueError):
+                optimizer = None  # compile() reports a bad config itself
+        check_single_accumulation(optimizer, _NAME, self.accum_steps)
+        super().compile(*args, **kwargs)
+        # Nothing traced for the last compile (flush functions, the plan)
+        # survives it; the state follows the trainable variables of now.
+        self._accumulator.unwire()
+        self._plain = None
+        self._sync_state()
+
+    def compile_from_config(self, config):
+        # Keras skips compile() on loading a model whose class overrides it;
+        # ours only adds to Keras' compile, so loading compiles as usual.
+        self.compile(**self._flavour.keras.saving.deserialize_keras_object(config))
+        if getattr(self, "optimizer", None) is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._sync_state()
+        self._plan_step()
+        return super().make_train_function(force=force)
+
+    def _sync_state(self) -> None:
+        """Builds the accumulation state for the current trainable variables
+        (eager; nothing happens when it already fits them)."""
+        if not self.built or not self.weights:
+            # A subclassed model creates its variables in its first call:
+            # built at its first train step. (``build(shape)`` may mark one
+            # built before any of its layers has a variable.)
+            return
+        accumulator = self._accumulator
+        pending = accumulator.pending
+        with self.distribute_strategy.scope():
+            rebuilt = accumulator.build(self.trainable_variables)
+        if rebuilt and pending:
+            warnings.warn(
+                f"{_NAME}: the trainable variables changed, so "
+                f"the {pending} micro-batch(es) of an incomplete cycle were "
+                "dropped (their gradients are of another set of variables). "
+                "fit() flushes a partial cycle at its end unless "
+                "flush_at_end=False.",
+                stacklevel=3,
+            )
+
+    def _plan_step(self) -> None:
+        """Decides, from the state as it is now, whether the step to trace is
+        Keras' own (``accum_steps`` 1, nothing to do per cycle), and links
+        the BatchNormalization layers to the cycle if it is not."""
+        self._plain = self._setup.micro_batch_size is None and self._accumulator.plain()
+        self._link_batch_norm(follow=not self._plain)
+
+    def _link_batch_norm(self, follow: bool) -> None:
+        """Makes every AccumBatchNormalization (nested models included)
+        update its moving statistics on this model's cycle: one counter, and
+        their sums ride in the gradients' single all-reduce. Off the engine
+        path (``follow=False``) the layers act alone; both check their
+        ``accum_steps`` against the model's."""
+        steps = self._accumulator.accum_steps
+        batch_norm = self._flavour.public("AccumBatchNormalization")
+        for layer in self._flavour.sublayers(self)[1:]:
+            if isinstance(layer, batch_norm):
+                layer.follow_model(self._accumulator, steps, link=follow)
+
+    def _settings(self, saved: bool = True) -> dict:
+        """The constructor arguments that reproduce this model's accumulation
+        (``saved``: those a config holds, without ``skip_update_fn``)."""
+        settings = self._setup.saved() if saved else dataclasses.asdict(self._setup)
+        if not self._flavour.in_step:
+            settings.pop("micro_batch_size")  # not an argument here
+        # A schedule may have changed accum_steps since construction.
+        return {**settings, "accum_steps": self._accumulator.accum_steps}
+
+    def get_config(self):
+        # tf-keras saves a Functional subclass with its own __init__ by its
+        # constructor arguments only, without the network.
+        config = self._flavour.network_config(self) or super().get_config()
+        config.update(self._settings())
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        while True:
+            try:
+                return cls._flavour.model_from_config(
+                    cls, dict(config), custom_objects, super().from_config
+                )
+            except TypeError as error:
+                if not _drop_duplicate(error, config):
+                    raise
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, data):
+        if self._plain is None:
+            # Called outside fit (a custom loop): plan as fit would.
+            self._plan_step()
+        if self._setup.micro_batch_size is not None:
+            return self._in_step_train_step(data)
+        if self._plain:
+            return super().train_step(data)
+        accumulator = self._accumulator
+        unpack = self._flavour.keras.utils.unpack_x_y_sample_weight
+        x, y, sample_weight = unpack(data)
+        micro = self._micro_batch_gradients(x, y, sample_weight)
+        tracker = self._flavour.loss_tracker(self)
+        if tracker is not None:
+            tracker.update_state(micro.loss, sample_weight=micro.samples)
+        self._add_parts(micro)
+        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(self.optimizer)
+        accumulator.step(
+            micro.grads,
+            micro.variables,
+            apply_fn=self._apply_fn(micro.variables),
+            weight=micro.grad_weight,
+            count=micro.count,
+            samples=micro.samples,
+            on_apply=on_apply,
+            on_skip=on_skip,
+            overflowed=micro.overflowed,
+        )
+        logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
+        return self._with_progress(logs)
+
+    def _in_step_train_step(self, data):
+        """One ``fit`` step cut into ``micro_batch_size`` slices (see
+        ``hosts.in_step.in_step_train_step``)."""
+        return in_step_train_step(self, data)
+
+    def _micro_batch_gradients(
+        self, x, y, sample_weight, opens_step=None, step_samples=None
+    ) -> Micro:
+        """Forward pass, loss, weight and gradients of one micro-batch (see
+        ``hosts.micro_batch.micro_batch_gradients``)."""
+        return micro_batch_gradients(
+            self, x, y, sample_weight, opens_step, step_samples
+        )
+
+    def _add_parts(self, micro: Micro) -> None:
+        for index, (grads, weight, count) in enumerate(micro.parts, start=1):
+            self._accumulator.add_part(index, grads, micro.variables, weight, count)
+
+    def _with_progress(self, logs: dict) -> dict:
+        if not self._setup.progress_logs:
+            return logs
+        return {**logs, **self._accumulator.logs()}
+
+    def _apply_fn(self, variables):
+        apply = self._flavour.loss_scaling.apply_gradients
+        return lambda grads: apply(self.optimizer, grads, variables)
+
+
+def _partial_cycles(keras) -> type:
+    """``hosts.partial_cycles.PartialCycles`` over ``keras``' ``Callback``."""
+    if keras not in _PARTIAL_CYCLES:
+        bases = (PartialCycles, keras.callbacks.Callback)
+        _PARTIAL_CYCLES[keras] = type("_PartialCycles", bases, {})
+    return _PARTIAL_CYCLES[keras]
+
+
+def _drop_duplicate(error: TypeError, kwargs: dict) -> bool:
+    """A subclass that sets a setting itself, e.g.
+    ``super().__init__(accum_steps=4, **kwargs)``, receives a saved or cloned
+    one a second time: drops that from ``kwargs`` (its own value wins).
+    Returns whether it did."""
+    match = _DUPLICATE.search(str(error))
+    if match is None or match.group(1) not in kwargs:
+        return False
+    kwargs.pop(match.group(1))
+    return True
+
+
+def construct_dropping_duplicates(init: Callable, kwargs: dict):
+    """``init(**kwargs)``, without the settings a subclass sets itself (see
+    :func:`_drop_duplicate`)."""
+    kwargs = dict(kwargs)
+    while True:
+        try:
+            return init(**kwargs)
+        except TypeError as error:
+            if not _drop_duplicate(error, kwargs):
+                raise
