@@ -277,6 +277,29 @@ def _pack(prefix, arrays):
     return {f"{prefix}_{i:02d}": a for i, a in enumerate(arrays)}
 
 
+def _packed(initial, reference, ours=None, **more) -> dict:
+    """The arrays a case returns: the initial weights, the reference's and
+    (if given) ``ours``, then ``more`` lists by prefix."""
+    from tests import utils
+
+    result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
+    if ours is not None:
+        result.update(_pack("ours", ours))
+    for prefix, arrays in more.items():
+        result.update(_pack(prefix, arrays))
+    return result
+
+
+def _identical_on_replicas(strategy, model) -> bool:
+    """Whether every replica holds the same trainable weights, bit for bit."""
+    import numpy as np
+
+    return all(
+        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
+        for w in model.trainable_weights
+    )
+
+
 def _iterations(model) -> int:
     return int(model.optimizer.iterations.numpy())
 
@@ -305,15 +328,7 @@ def run_case(case, strategy, out: Path, chief: bool):
 
     if case.startswith("checkpoint"):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
-        result = {
-            **_pack("init", initial),
-            **_pack("ref", utils.weights(reference)),
-            **_pack("ours", ours),
-            **_pack("ckpt", resumed["ckpt"]),
-            **_pack("keras", resumed["keras"]),
-            **_pack("single", resumed["single"]),
-        }
-        return result, facts
+        return _packed(initial, reference, ours, **resumed), facts
 
     ds = _dataset(x, y, GLOBAL_MICRO)
     if case == "model_fit":
@@ -326,12 +341,11 @@ def run_case(case, strategy, out: Path, chief: bool):
         with strategy.scope():
             model = build_accumulating(case)
         error = _fit_error(lambda: model.fit(ds, epochs=EPOCHS, verbose=0))
-        result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
         if error is not None:
             facts["fit_error"] = error
-            return result, facts
+            return _packed(initial, reference), facts
         facts["iterations"] = _iterations(model)
-        return {**result, **_pack("ours", utils.weights(model))}, facts
+        return _packed(initial, reference, utils.weights(model)), facts
     if case.endswith("_jit"):
         # Whether plain Keras can XLA-compile a train step under this
         # strategy at all: if it cannot, ours cannot either, and the test
@@ -348,22 +362,14 @@ def run_case(case, strategy, out: Path, chief: bool):
     error = _fit_error(fit) if case.endswith("_jit") else fit()
     if error is not None:
         facts["jit_error"] = error
-        return {
-            **_pack("init", initial),
-            **_pack("ref", utils.weights(reference)),
-        }, facts
+        return _packed(initial, reference), facts
     facts["iterations"] = _iterations(model)
     facts["jit_compile"] = bool(model.jit_compile)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         facts["collectives"] = collective_counts(model, strategy, ds)
     if "bn" in case:
         facts["moving_stats_diff"] = _moving_stats_diff(model, reference)
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _moving_stats_diff(model, reference) -> float:
@@ -442,16 +448,8 @@ def _nan_case(case, strategy, x, y, initial, facts):
     fit_under(strategy, model, _dataset(x[: 2 * BIG], y[: 2 * BIG], GLOBAL_MICRO))
     facts["iterations"] = _iterations(model)
     facts["ref_iterations"] = _iterations(reference)
-    facts["replicas_identical"] = all(
-        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
-        for w in model.trainable_weights
-    )
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    facts["replicas_identical"] = _identical_on_replicas(strategy, model)
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _denominators_case(case, strategy):
@@ -516,16 +514,8 @@ def _denominators_case(case, strategy):
     fit_under(strategy, model, dataset(GLOBAL_MICRO), epochs=EPOCHS)
     facts["iterations"] = _iterations(model)
     facts["parts"] = len(utils.accumulator(model).parts)
-    facts["replicas_identical"] = all(
-        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
-        for w in model.trainable_weights
-    )
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    facts["replicas_identical"] = _identical_on_replicas(strategy, model)
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _local(strategy, variable):

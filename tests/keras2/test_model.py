@@ -146,17 +146,7 @@ def test_sample_weight_matches_big_batch():
     assert gap > 1e-3, f"sample weights did not matter ({gap:.3g})"
 
 
-# One cycle of 4 micro-batches of 8 with very different padding (about 10,
-# 30, 55 and 78 real tokens), then the same in the reverse order.
-_CYCLE = [
-    [1, 1, 2, 1, 1, 2, 1, 1],
-    [3, 4, 3, 5, 4, 3, 4, 4],
-    [6, 7, 7, 6, 8, 7, 7, 7],
-    [10, 9, 10, 10, 9, 10, 10, 10],
-]
-LENGTHS = [n for micro in _CYCLE for n in micro] + [
-    n for micro in reversed(_CYCLE) for n in micro
-]
+LENGTHS = utils.PADDED_LENGTHS
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+sample_weight"])
@@ -469,23 +459,11 @@ def test_non_finite_micro_batch_skips_its_whole_cycle():
     x[B * K + B + 3, 2] = np.nan  # cycle 2, micro-batch 2
     adam = lambda: tf_keras.optimizers.Adam(0.01)  # noqa: E731
 
-    reference = utils.seeded(utils.plain_model)
-    initial = utils.weights(reference)
-    reference.compile(optimizer=adam(), loss=utils.sparse_ce())
-    for start in (0, 2 * B * K):
-        utils.fit(reference, x[start : start + B * K], y[start : start + B * K], B * K)
+    initial, reference = utils.big_batch_without_the_middle_cycle(adam, x, y)
 
     model = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
     model.compile(optimizer=adam(), loss=utils.sparse_ce())
-    seen = utils.WeightsAtBatchEnd()
-    utils.fit(model, x, y, B, callbacks=[seen])
-    assert len(seen.seen) == 3 * K
-    after_first, after_second = seen.seen[K - 1], seen.seen[2 * K - 1]
-    utils.assert_trained(initial, after_first)
-    utils.assert_finite(after_second)
-    assert utils.max_abs_diff(after_first, after_second) == 0.0
-    utils.assert_trained(after_second, seen.seen[-1])
-    utils.assert_finite(utils.weights(model))
+    utils.fit_skipping_the_middle_cycle(model, x, y, initial)
     utils.assert_equivalent(initial, reference, model, 2)
 
 
