@@ -569,6 +569,20 @@ def _initial_grad_norm(model, x, y) -> float:
     return float(tf.linalg.global_norm(grads).numpy())
 
 
+def _resume(strategy, model, rest, facts, how: str):
+    """Records the accumulation state ``model`` was restored with (under
+    ``how``), finishes the run on ``rest``; returns its weights."""
+    from tests import utils
+
+    state = utils.accumulator(model)
+    facts[f"{how}_micro_step_restored"] = int(state.micro_step.numpy())
+    facts[f"{how}_micro_step_per_replica"] = _per_replica(strategy, state.micro_step)
+    facts[f"{how}_weight_sum_restored"] = float(state.weight_sum.numpy())
+    fit_under(strategy, model, rest)
+    facts[f"{how}_iterations"] = _iterations(model)
+    return utils.weights(model)
+
+
 def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     """Saves mid-cycle under the strategy (tf.train.Checkpoint and .keras),
     restores into a fresh strategy-scoped model and finishes the run."""
@@ -619,31 +633,11 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
             prefix
         )
         status.assert_existing_objects_matched()
-    facts["ckpt_micro_step_restored"] = int(utils.accumulator(fresh).micro_step.numpy())
-    facts["ckpt_micro_step_per_replica"] = _per_replica(
-        strategy, utils.accumulator(fresh).micro_step
-    )
-    facts["ckpt_weight_sum_restored"] = float(
-        utils.accumulator(fresh).weight_sum.numpy()
-    )
-    fit_under(strategy, fresh, rest)
-    resumed["ckpt"] = utils.weights(fresh)
-    facts["ckpt_iterations"] = _iterations(fresh)
+    resumed["ckpt"] = _resume(strategy, fresh, rest, facts, "ckpt")
 
     with strategy.scope():
         loaded = keras.models.load_model(keras_path)
-    facts["keras_micro_step_restored"] = int(
-        utils.accumulator(loaded).micro_step.numpy()
-    )
-    facts["keras_micro_step_per_replica"] = _per_replica(
-        strategy, utils.accumulator(loaded).micro_step
-    )
-    facts["keras_weight_sum_restored"] = float(
-        utils.accumulator(loaded).weight_sum.numpy()
-    )
-    fit_under(strategy, loaded, rest)
-    resumed["keras"] = utils.weights(loaded)
-    facts["keras_iterations"] = _iterations(loaded)
+    resumed["keras"] = _resume(strategy, loaded, rest, facts, "keras")
 
     # The same checkpoint resumed on one device (no strategy): it holds the
     # replicas' sum, and one replica on the global micro-batch continues it.

@@ -33,6 +33,7 @@ from packaging.specifiers import SpecifierSet
 import gradient_accumulator
 from gradient_accumulator import _backend, _requirements
 from gradient_accumulator._backend import check_legacy_versions, check_versions
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 CI = REPO / ".ci"
@@ -473,13 +474,8 @@ def run_python(code: str, **environ: str) -> subprocess.CompletedProcess:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+    return processes.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=180
     )
 
 

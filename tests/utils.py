@@ -191,14 +191,18 @@ def sparse_ce(**kwargs) -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
 
 
-def compiled(make_model: Callable, optimizer=None, lr: float = 0.05) -> keras.Model:
+def compiled(
+    make_model: Callable, optimizer=None, lr: float = 0.05, **compile_kwargs
+) -> keras.Model:
     """``make_model()``, seeded and compiled with ``optimizer`` (by default
-    ``Adam(lr)``) and sparse cross-entropy."""
+    ``Adam(lr)``), sparse cross-entropy and ``compile_kwargs``."""
 
     def build():
         model = make_model()
         model.compile(
-            optimizer=optimizer or keras.optimizers.Adam(lr), loss=sparse_ce()
+            optimizer=optimizer or keras.optimizers.Adam(lr),
+            loss=sparse_ce(),
+            **compile_kwargs,
         )
         return model
 

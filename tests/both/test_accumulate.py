@@ -1,7 +1,8 @@
 """``accumulate(model)`` and ``stop_accumulating``, in each Keras: a model
-compiled before it accumulates at its next ``fit``; what it refuses, and how
-it says so. (Exactness, saving and undo per Keras: tests/test_accumulate.py,
-tests/keras2/test_accumulate.py.)"""
+compiled before it accumulates at its next ``fit``; the model wrapper over
+the optimizer wrapper warns and updates every product; what they refuse,
+and how they say so. (Exactness, saving and undo per Keras:
+tests/test_accumulate.py, tests/keras2/test_accumulate.py.)"""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from gradient_accumulator import (
     GradientAccumulateModel,
+    GradientAccumulateOptimizer,
     accumulate,
     stop_accumulating,
 )
@@ -43,6 +45,38 @@ def test_compile_before_accumulate_then_fit_accumulates():
     utils.fit(plain, x, y, B * K)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 3
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+
+# ------------------------------------------- model wrapper + optimizer wrapper
+def test_model_wrapper_with_optimizer_wrapper_warns_and_updates_every_product():
+    """Both wrappers accumulate: exact for a big batch of 2 x 2 micro-batches
+    (the plain model on batches of 4 micro-batches), but not what one who
+    wrapped both meant, so ``compile`` (and ``accumulate`` of a compiled
+    model) warn, naming the product."""
+    micro = 8 if LEGACY_KERAS else 4  # each Keras' suite had its own
+    x, y = utils.classification_data(64)
+    plain = utils.seeded(utils.plain_model)
+    initial = utils.weights(plain)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=utils.sparse_ce())
+    utils.fit(plain, x, y, 4 * micro)
+    model = utils.seeded(lambda: utils.accumulating_model(accum_steps=2))
+    inner = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+    with pytest.warns(UserWarning, match="every 4 micro-batches") as warned:
+        model.compile(optimizer=inner, loss=utils.sparse_ce())
+    assert warned[0].filename == __file__  # names the user's compile line
+    utils.fit(model, x, y, micro)
+    assert int(model.optimizer.iterations) == 64 // (4 * micro)
+    utils.assert_trained(initial, utils.weights(model))
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
+
+    compiled = utils.seeded(utils.plain_model)
+    compiled.compile(
+        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), 2),
+        loss=utils.sparse_ce(),
+    )
+    with pytest.warns(UserWarning, match="every 6 micro-batches") as warned:
+        accumulate(compiled, accum_steps=3)
+    assert warned[0].filename == __file__
 
 
 # ------------------------------------------------------------- refusals

@@ -96,11 +96,7 @@ def test_clipping_on_inner_acts_on_accumulated_gradient(clip):
     accumulated gradient once per update, as the big batch's own."""
     initial, reference, model, wrapper = _pair(utils.CLIPPING[clip])
     _assert_equivalent(initial, reference, model, wrapper)
-    x, y = utils.classification_data()
-    gap = utils.report(
-        utils.unclipped_gap(utils.CLIPPING[clip], reference, x, y), "non-vacuity gap"
-    )
-    assert gap > 1e-3, f"clipping did not act ({gap:.3g})"
+    utils.assert_acted(utils.CLIPPING[clip], reference, "clipping did not act")
 
 
 @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
@@ -123,11 +119,7 @@ def test_ema_weights_match_big_batch(ema):
     update and fit ends with the EMA weights, as in plain tf-keras."""
     initial, reference, model, wrapper = _pair(utils.EMA[ema])
     _assert_equivalent(initial, reference, model, wrapper)
-    x, y = utils.classification_data()
-    gap = utils.report(
-        utils.unclipped_gap(utils.EMA[ema], reference, x, y), "non-vacuity gap"
-    )
-    assert gap > 1e-3, f"EMA did not change the outcome ({gap:.3g})"
+    utils.assert_acted(utils.EMA[ema], reference, "EMA did not change the outcome")
 
 
 def test_kernel_regularizer_matches_big_batch():

@@ -270,3 +270,12 @@ def unclipped_gap(make_optimizer: Callable, reference, x, y) -> float:
 
 
 _STRIPPED: dict = {}
+
+
+def assert_acted(make_optimizer: Callable, reference, failure: str) -> None:
+    """Non-vacuity of a clipping or EMA case: ``reference`` (trained on
+    ``classification_data()``) ends away from the big batch trained without
+    them; ``failure`` says what did not act."""
+    x, y = classification_data()
+    gap = report(unclipped_gap(make_optimizer, reference, x, y), "non-vacuity gap")
+    assert gap > 1e-3, f"{failure} ({gap:.3g})"
