@@ -254,13 +254,8 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch():
     base, model = utils.seeded(_base_and_head)
     accumulate(model, accum_steps=K)
     initial = utils.weights(plain)
-    for m, b, batch in ((plain, ref_base, B * K), (model, base, B)):
-        b.trainable = False
-        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
-        utils.fit(m, x, y, batch, epochs=2)
-        b.trainable = True
-        m.compile(optimizer=_adam(), loss=utils.sparse_ce())
-        utils.fit(m, x, y, batch, epochs=2)
+    runs = ((plain, ref_base, B * K), (model, base, B))
+    utils.freeze_train_unfreeze(runs, x, y, _adam)
     utils.assert_trained(initial, utils.weights(plain))
     assert len(model._accumulator.grad_sums) == len(model.trainable_weights) == 4
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)

@@ -210,17 +210,15 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss=_losses()())
         return model
 
+    def fit_part(model, part: slice):
+        targets = {k: v[part] for k, v in y.items()}
+        weights = {k: v[part] for k, v in sw.items()}
+        utils.fit(model, x[part], targets, MICRO, sample_weight=weights)
+
     whole = utils.seeded(build)
     utils.fit(whole, x, y, MICRO, sample_weight=sw)
     first = utils.seeded(build)
-    head = slice(0, 8)
-    utils.fit(
-        first,
-        x[head],
-        {k: v[head] for k, v in y.items()},
-        MICRO,
-        sample_weight={k: v[head] for k, v in sw.items()},
-    )
+    fit_part(first, slice(0, 8))
     assert int(first.optimizer.iterations) == 0
     second = utils.seeded(build, seed=9)
     if how == "keras_file":
@@ -228,24 +226,11 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
         first.save(path)
         second = keras.models.load_model(path)
     else:
-        utils.fit(
-            second,
-            x[:4],
-            {k: v[:4] for k, v in y.items()},
-            MICRO,
-            sample_weight={k: v[:4] for k, v in sw.items()},
-        )
+        fit_part(second, slice(0, 4))
         checkpoint = tf.train.Checkpoint(model=first, optimizer=first.optimizer)
         saved = checkpoint.save(str(tmp_path / "ckpt"))
         tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(saved)
-    tail = slice(8, 16)
-    utils.fit(
-        second,
-        x[tail],
-        {k: v[tail] for k, v in y.items()},
-        MICRO,
-        sample_weight={k: v[tail] for k, v in sw.items()},
-    )
+    fit_part(second, slice(8, 16))
     assert int(second.optimizer.iterations) == 1
     utils.assert_same_weights(utils.weights(second), utils.weights(whole), atol=1e-6)
 

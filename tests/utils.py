@@ -227,6 +227,19 @@ def fit(model: keras.Model, x, y=None, batch_size=None, epochs: int = 1, **kwarg
     )
 
 
+def freeze_train_unfreeze(runs, x, y, make_second_optimizer: Callable) -> None:
+    """Keras' transfer-learning recipe for each ``(model, base, batch_size)``
+    of ``runs``: ``base`` frozen, Adam(1e-2), 2 epochs; then unfrozen,
+    recompiled with ``make_second_optimizer()``, 2 epochs more."""
+    for model, base, batch_size in runs:
+        base.trainable = False
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce())
+        fit(model, x, y, batch_size, epochs=2)
+        base.trainable = True
+        model.compile(optimizer=make_second_optimizer(), loss=sparse_ce())
+        fit(model, x, y, batch_size, epochs=2)
+
+
 def naive_sgd_step(
     layers: Callable,
     x,
