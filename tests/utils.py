@@ -240,6 +240,26 @@ def freeze_train_unfreeze(runs, x, y, make_second_optimizer: Callable) -> None:
         fit(model, x, y, batch_size, epochs=2)
 
 
+class Interrupt(Exception):
+    """What ``InterruptAt`` raises: a training run cut short."""
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises ``Interrupt`` at the end of a given batch of a given epoch."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch = epoch, batch
+        self._current = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._current == self.epoch and batch == self.batch:
+            raise Interrupt(f"interrupted at epoch {self.epoch}, batch {batch}")
+
+
 def naive_sgd_step(
     layers: Callable,
     x,
