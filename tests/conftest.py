@@ -1,55 +1,48 @@
-"""Test-session set-up: CPU only, deterministic ops, quiet TensorFlow.
+"""Test-session set-up: CPU only, deterministic ops, quiet TensorFlow, a
+clean session and float32 policy for every test, in whichever Keras the
+session runs (``tests/flavour.py``).
 
-``pytest tests`` runs the Keras 3 suite, or, where TensorFlow routes
-``tf.keras`` to tf-keras (``TF_USE_LEGACY_KERAS``, told as
-``gradient_accumulator._requirements.legacy_keras_requested`` tells it), only
-``tests/keras2``, which sets up its own session: this file then imports
-neither Keras 3 nor TensorFlow, and its Keras 3 fixture does not exist.
+``pytest tests`` runs the Keras 3 suite (``tests/*.py``) and the shared tests
+(``tests/both``), or, where TensorFlow routes ``tf.keras`` to tf-keras
+(``TF_USE_LEGACY_KERAS``), the tf-keras suite (``tests/keras2``) and the
+shared tests: there, two logical CPUs for ``MirroredStrategy``.
 """
 
-import importlib.util
 import os
-from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import pytest
+import tensorflow as tf
 
-HERE = Path(__file__).resolve().parent
+from tests.flavour import HERE, LEGACY_KERAS
+
 LEGACY_TESTS = "keras2"  # the tf-keras tests' directory, beside this file
-
-
-def _versions_module():
-    """``gradient_accumulator/_requirements.py`` (standard library only), loaded
-    from its file: importing it as ``gradient_accumulator._requirements`` would
-    run the package's ``__init__``, which imports TensorFlow and the hosts."""
-    path = HERE.parent / "gradient_accumulator" / "_requirements.py"
-    spec = importlib.util.spec_from_file_location("_ga_versions_conftest", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LEGACY_KERAS = _versions_module().legacy_keras_requested()
+SHARED_TESTS = "both"  # the tests of both Kerases, beside this file
 
 # pytest's documented hook: paths (relative to this directory) not collected.
 if LEGACY_KERAS:
-    collect_ignore = sorted(p.name for p in HERE.iterdir() if p.name != LEGACY_TESTS)
+    collect_ignore = sorted(
+        p.name for p in HERE.iterdir() if p.name not in (LEGACY_TESTS, SHARED_TESTS)
+    )
+    _cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        _cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+    )
 else:
     collect_ignore = [LEGACY_TESTS]
 
-if not LEGACY_KERAS:
-    import keras
-    import tensorflow as tf
+tf.config.experimental.enable_op_determinism()
 
-    tf.config.experimental.enable_op_determinism()
 
-    @pytest.fixture(autouse=True)
-    def _fresh_keras_state():
-        """Every test starts from a clean Keras session and float32 policy."""
-        keras.backend.clear_session()
-        keras.mixed_precision.set_global_policy("float32")
-        yield
-        keras.mixed_precision.set_global_policy("float32")
+@pytest.fixture(autouse=True)
+def _fresh_keras_state():
+    """Every test starts from a clean Keras session and float32 policy."""
+    from tests.flavour import keras
+
+    keras.backend.clear_session()
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")

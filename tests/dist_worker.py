@@ -277,6 +277,29 @@ def _pack(prefix, arrays):
     return {f"{prefix}_{i:02d}": a for i, a in enumerate(arrays)}
 
 
+def _packed(initial, reference, ours=None, **more) -> dict:
+    """The arrays a case returns: the initial weights, the reference's and
+    (if given) ``ours``, then ``more`` lists by prefix."""
+    from tests import utils
+
+    result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
+    if ours is not None:
+        result.update(_pack("ours", ours))
+    for prefix, arrays in more.items():
+        result.update(_pack(prefix, arrays))
+    return result
+
+
+def _identical_on_replicas(strategy, model) -> bool:
+    """Whether every replica holds the same trainable weights, bit for bit."""
+    import numpy as np
+
+    return all(
+        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
+        for w in model.trainable_weights
+    )
+
+
 def _iterations(model) -> int:
     return int(model.optimizer.iterations.numpy())
 
@@ -305,15 +328,7 @@ def run_case(case, strategy, out: Path, chief: bool):
 
     if case.startswith("checkpoint"):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
-        result = {
-            **_pack("init", initial),
-            **_pack("ref", utils.weights(reference)),
-            **_pack("ours", ours),
-            **_pack("ckpt", resumed["ckpt"]),
-            **_pack("keras", resumed["keras"]),
-            **_pack("single", resumed["single"]),
-        }
-        return result, facts
+        return _packed(initial, reference, ours, **resumed), facts
 
     ds = _dataset(x, y, GLOBAL_MICRO)
     if case == "model_fit":
@@ -326,12 +341,11 @@ def run_case(case, strategy, out: Path, chief: bool):
         with strategy.scope():
             model = build_accumulating(case)
         error = _fit_error(lambda: model.fit(ds, epochs=EPOCHS, verbose=0))
-        result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
         if error is not None:
             facts["fit_error"] = error
-            return result, facts
+            return _packed(initial, reference), facts
         facts["iterations"] = _iterations(model)
-        return {**result, **_pack("ours", utils.weights(model))}, facts
+        return _packed(initial, reference, utils.weights(model)), facts
     if case.endswith("_jit"):
         # Whether plain Keras can XLA-compile a train step under this
         # strategy at all: if it cannot, ours cannot either, and the test
@@ -348,22 +362,14 @@ def run_case(case, strategy, out: Path, chief: bool):
     error = _fit_error(fit) if case.endswith("_jit") else fit()
     if error is not None:
         facts["jit_error"] = error
-        return {
-            **_pack("init", initial),
-            **_pack("ref", utils.weights(reference)),
-        }, facts
+        return _packed(initial, reference), facts
     facts["iterations"] = _iterations(model)
     facts["jit_compile"] = bool(model.jit_compile)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         facts["collectives"] = collective_counts(model, strategy, ds)
     if "bn" in case:
         facts["moving_stats_diff"] = _moving_stats_diff(model, reference)
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _moving_stats_diff(model, reference) -> float:
@@ -442,16 +448,8 @@ def _nan_case(case, strategy, x, y, initial, facts):
     fit_under(strategy, model, _dataset(x[: 2 * BIG], y[: 2 * BIG], GLOBAL_MICRO))
     facts["iterations"] = _iterations(model)
     facts["ref_iterations"] = _iterations(reference)
-    facts["replicas_identical"] = all(
-        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
-        for w in model.trainable_weights
-    )
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    facts["replicas_identical"] = _identical_on_replicas(strategy, model)
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _denominators_case(case, strategy):
@@ -516,16 +514,8 @@ def _denominators_case(case, strategy):
     fit_under(strategy, model, dataset(GLOBAL_MICRO), epochs=EPOCHS)
     facts["iterations"] = _iterations(model)
     facts["parts"] = len(utils.accumulator(model).parts)
-    facts["replicas_identical"] = all(
-        len({np.asarray(v).tobytes() for v in _local(strategy, w)}) == 1
-        for w in model.trainable_weights
-    )
-    result = {
-        **_pack("init", initial),
-        **_pack("ref", utils.weights(reference)),
-        **_pack("ours", utils.weights(model)),
-    }
-    return result, facts
+    facts["replicas_identical"] = _identical_on_replicas(strategy, model)
+    return _packed(initial, reference, utils.weights(model)), facts
 
 
 def _local(strategy, variable):
@@ -579,6 +569,20 @@ def _initial_grad_norm(model, x, y) -> float:
     return float(tf.linalg.global_norm(grads).numpy())
 
 
+def _resume(strategy, model, rest, facts, how: str):
+    """Records the accumulation state ``model`` was restored with (under
+    ``how``), finishes the run on ``rest``; returns its weights."""
+    from tests import utils
+
+    state = utils.accumulator(model)
+    facts[f"{how}_micro_step_restored"] = int(state.micro_step.numpy())
+    facts[f"{how}_micro_step_per_replica"] = _per_replica(strategy, state.micro_step)
+    facts[f"{how}_weight_sum_restored"] = float(state.weight_sum.numpy())
+    fit_under(strategy, model, rest)
+    facts[f"{how}_iterations"] = _iterations(model)
+    return utils.weights(model)
+
+
 def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     """Saves mid-cycle under the strategy (tf.train.Checkpoint and .keras),
     restores into a fresh strategy-scoped model and finishes the run."""
@@ -629,31 +633,11 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
             prefix
         )
         status.assert_existing_objects_matched()
-    facts["ckpt_micro_step_restored"] = int(utils.accumulator(fresh).micro_step.numpy())
-    facts["ckpt_micro_step_per_replica"] = _per_replica(
-        strategy, utils.accumulator(fresh).micro_step
-    )
-    facts["ckpt_weight_sum_restored"] = float(
-        utils.accumulator(fresh).weight_sum.numpy()
-    )
-    fit_under(strategy, fresh, rest)
-    resumed["ckpt"] = utils.weights(fresh)
-    facts["ckpt_iterations"] = _iterations(fresh)
+    resumed["ckpt"] = _resume(strategy, fresh, rest, facts, "ckpt")
 
     with strategy.scope():
         loaded = keras.models.load_model(keras_path)
-    facts["keras_micro_step_restored"] = int(
-        utils.accumulator(loaded).micro_step.numpy()
-    )
-    facts["keras_micro_step_per_replica"] = _per_replica(
-        strategy, utils.accumulator(loaded).micro_step
-    )
-    facts["keras_weight_sum_restored"] = float(
-        utils.accumulator(loaded).weight_sum.numpy()
-    )
-    fit_under(strategy, loaded, rest)
-    resumed["keras"] = utils.weights(loaded)
-    facts["keras_iterations"] = _iterations(loaded)
+    resumed["keras"] = _resume(strategy, loaded, rest, facts, "keras")
 
     # The same checkpoint resumed on one device (no strategy): it holds the
     # replicas' sum, and one replica on the global micro-batch continues it.

@@ -11,6 +11,29 @@ REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds; subprocess.run kills the child when it expires
 
 
+def run(
+    command,
+    *,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = TIMEOUT,
+    input: str | None = None,
+) -> subprocess.CompletedProcess:
+    """``command`` (its items as strings) in a child process, its output
+    captured as text, bounded in time (``subprocess.run`` kills the child
+    when the timeout expires); a failure is the caller's to check."""
+    return subprocess.run(
+        [str(a) for a in command],
+        cwd=cwd,
+        env=env,
+        input=input,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def run_script(
     *args: str,
     timeout: float = TIMEOUT,
@@ -28,16 +51,7 @@ def run_script(
         "TF_CPP_MIN_LOG_LEVEL": "2",
         "PYTHONPATH": path,
     }
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=cwd,
-        env=env,
-        input=input,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run([sys.executable, *args], env=env, cwd=cwd, timeout=timeout, input=input)
 
 
 def describe(result: subprocess.CompletedProcess) -> str:

@@ -66,23 +66,6 @@ class Penalized(keras.Model):
         return keras.ops.mean(ce) + 1e-2 * penalty
 
 
-class OwnStep(keras.Model):
-    """A model whose class overrides ``train_step``: refused."""
-
-    def train_step(self, data):
-        return super().train_step(data)
-
-
-def _sequential():
-    return keras.Sequential(
-        [
-            keras.Input((8,)),
-            keras.layers.Dense(16, activation="tanh"),
-            keras.layers.Dense(3),
-        ]
-    )
-
-
 def _subclassed():
     net = Net()
     net(np.zeros((1, 8), "float32"))  # built here, so that seeds fix its weights
@@ -96,7 +79,7 @@ def _compute_loss():
 # Each kind's builder (called seeded: the same initial weights every time).
 KINDS = {
     "functional": utils.plain_model,
-    "sequential": _sequential,
+    "sequential": utils.sequential_mlp,
     "subclassed": _subclassed,
     "compute_loss": _compute_loss,
 }
@@ -271,31 +254,11 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch():
     base, model = utils.seeded(_base_and_head)
     accumulate(model, accum_steps=K)
     initial = utils.weights(plain)
-    for m, b, batch in ((plain, ref_base, B * K), (model, base, B)):
-        b.trainable = False
-        m.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
-        utils.fit(m, x, y, batch, epochs=2)
-        b.trainable = True
-        m.compile(optimizer=_adam(), loss=utils.sparse_ce())
-        utils.fit(m, x, y, batch, epochs=2)
+    runs = ((plain, ref_base, B * K), (model, base, B))
+    utils.freeze_train_unfreeze(runs, x, y, _adam)
     utils.assert_trained(initial, utils.weights(plain))
     assert len(model._accumulator.grad_sums) == len(model.trainable_weights) == 4
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
-    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
-
-
-def test_compile_before_accumulate_then_fit_accumulates():
-    """accumulate() after compile: the next fit accumulates (no stale step)."""
-    plain, model = utils.seeded(utils.plain_model), utils.seeded(utils.plain_model)
-    for m in (plain, model):
-        _compile(m, "functional")
-    x, y = utils.classification_data(32)
-    utils.fit(model, x[:8], y[:8], B * K)  # a plain step, traced
-    utils.fit(plain, x[:8], y[:8], B * K)
-    accumulate(model, accum_steps=K)
-    utils.fit(model, x, y, B)
-    utils.fit(plain, x, y, B * K)
-    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 3
     utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
 
 
@@ -367,51 +330,6 @@ def test_stop_accumulating_without_flush_drops_the_partial_cycle():
     assert type(model) is keras.Sequential
     utils.fit(plain, x[:16], y[:16], B * K)  # the one full cycle only
     utils.assert_same_weights(utils.weights(model), utils.weights(plain))
-
-
-# ------------------------------------------------------------- refusals
-def test_a_class_that_overrides_train_step_is_refused():
-    model = OwnStep(*utils.mlp_layers())
-    with pytest.raises(ValueError, match="train_step"):
-        accumulate(model, accum_steps=K)
-    assert type(model) is OwnStep
-
-
-def test_an_accumulating_model_is_refused():
-    model = accumulate(utils.plain_model(), accum_steps=2)
-    with pytest.raises(ValueError, match="stop_accumulating"):
-        accumulate(model, accum_steps=K)
-    inputs, outputs = utils.mlp_layers()
-    wrapper = GradientAccumulateModel(2, inputs=inputs, outputs=outputs)
-    with pytest.raises(ValueError, match="accumulates already"):
-        accumulate(wrapper)
-
-
-BAD_ARGUMENTS = [
-    ({"accum_steps": 0}, ValueError, "accum_steps"),
-    ({"accum_steps": 2.5}, TypeError, "accum_steps"),
-    ({"micro_batch_size": 0}, ValueError, "micro_batch_size"),
-    ({"partial_cycle": "sometimes"}, ValueError, "partial_cycle"),
-    ({"flush_at_end": "yes"}, TypeError, "flush_at_end"),
-    ({"use_agc": True, "clip_factor": -1.0}, ValueError, "clip_factor"),
-]
-
-
-def test_bad_arguments_name_the_argument_and_leave_the_model_alone():
-    model = _sequential()
-    for settings, error, name in BAD_ARGUMENTS:
-        with pytest.raises(error, match=f"`{name}`"):
-            accumulate(model, **settings)
-        assert type(model) is keras.Sequential
-        assert not hasattr(model, "_accumulator")
-    for thing in (None, "model", keras.layers.Dense(2)):
-        with pytest.raises(TypeError, match="`model`"):
-            accumulate(thing, accum_steps=K)
-
-
-def test_stop_accumulating_a_plain_model_is_a_value_error():
-    with pytest.raises(ValueError, match="accumulate"):
-        stop_accumulating(utils.plain_model())
 
 
 # ----------------------------------------------- strategy, mixed precision

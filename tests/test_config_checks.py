@@ -227,39 +227,6 @@ def test_largest_accum_steps_trains(wrapper):
     assert owner.accum_steps == MAX_ACCUM_STEPS
 
 
-# ------------------------------------------- model wrapper + optimizer wrapper
-def test_model_wrapper_with_optimizer_wrapper_warns_and_updates_every_product():
-    """Both wrappers accumulate: exact for a big batch of 2 x 2 micro-batches
-    (the plain model on batches of 4 micro-batches), but not what one who
-    wrapped both meant, so ``compile`` (and ``accumulate`` of a compiled
-    model) warn, naming the product."""
-    x, y = utils.classification_data(n=64)
-    plain = utils.seeded(utils.plain_model)
-    initial = utils.weights(plain)
-    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=utils.sparse_ce())
-    utils.fit(plain, x, y, 16)
-    model = _model(accum_steps=2)
-    inner = GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
-    with pytest.warns(UserWarning, match="every 4 micro-batches") as warned:
-        model.compile(optimizer=inner, loss=utils.sparse_ce())
-    assert warned[0].filename == __file__  # names the user's compile line
-    utils.fit(model, x, y, 4)
-    assert int(model.optimizer.iterations) == 64 // 16
-    utils.assert_trained(initial, utils.weights(model))
-    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
-
-    from gradient_accumulator import accumulate
-
-    compiled = utils.seeded(utils.plain_model)
-    compiled.compile(
-        optimizer=GradientAccumulateOptimizer(keras.optimizers.SGD(0.1), 2),
-        loss=utils.sparse_ce(),
-    )
-    with pytest.warns(UserWarning, match="every 6 micro-batches") as warned:
-        accumulate(compiled, accum_steps=3)
-    assert warned[0].filename == __file__
-
-
 # ------------------------------------------------------ the other Keras
 class _TfKerasTensor:
     """Stands for a tf-keras ``KerasTensor`` (its class's module is what

@@ -29,13 +29,9 @@ def _pretraining(regularizer=None, keras_mask: bool = False):
     ("mlm", logits per position) and a sequence head ("nsp")."""
 
     def layers():
-        tokens = keras.Input((LENGTH,), dtype="int32")
-        h = keras.layers.Embedding(VOCAB, 8, mask_zero=keras_mask)(tokens)
-        h = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(h)
-        mlm = keras.layers.Dense(VOCAB, name="mlm")(h)
-        pooled = keras.layers.GlobalAveragePooling1D()(h)
-        nsp = keras.layers.Dense(2, name="nsp")(pooled)
-        return tokens, {"mlm": mlm, "nsp": nsp}
+        return utils.pretraining_layers(
+            VOCAB, LENGTH, ("mlm", "nsp"), regularizer, mask_zero=keras_mask
+        )
 
     return layers
 
@@ -73,7 +69,7 @@ def _weights(masked, nsp=None):
 def _pair(layers, losses, x, y, sample_weight, micro_batch_size=None, n=N):
     in_step = micro_batch_size is not None
     x = x[:n]
-    y = {k: v[:n] for k, v in y.items()}
+    y = {k: v[:n] for k, v in y.items()} if isinstance(y, dict) else y[:n]
     if sample_weight is not None:
         sample_weight = {k: v[:n] for k, v in sample_weight.items()}
     return utils.train_pair(
@@ -214,17 +210,15 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
         model.compile(optimizer=keras.optimizers.SGD(LR), loss=_losses()())
         return model
 
+    def fit_part(model, part: slice):
+        targets = {k: v[part] for k, v in y.items()}
+        weights = {k: v[part] for k, v in sw.items()}
+        utils.fit(model, x[part], targets, MICRO, sample_weight=weights)
+
     whole = utils.seeded(build)
     utils.fit(whole, x, y, MICRO, sample_weight=sw)
     first = utils.seeded(build)
-    head = slice(0, 8)
-    utils.fit(
-        first,
-        x[head],
-        {k: v[head] for k, v in y.items()},
-        MICRO,
-        sample_weight={k: v[head] for k, v in sw.items()},
-    )
+    fit_part(first, slice(0, 8))
     assert int(first.optimizer.iterations) == 0
     second = utils.seeded(build, seed=9)
     if how == "keras_file":
@@ -232,40 +226,17 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
         first.save(path)
         second = keras.models.load_model(path)
     else:
-        utils.fit(
-            second,
-            x[:4],
-            {k: v[:4] for k, v in y.items()},
-            MICRO,
-            sample_weight={k: v[:4] for k, v in sw.items()},
-        )
+        fit_part(second, slice(0, 4))
         checkpoint = tf.train.Checkpoint(model=first, optimizer=first.optimizer)
         saved = checkpoint.save(str(tmp_path / "ckpt"))
         tf.train.Checkpoint(model=second, optimizer=second.optimizer).restore(saved)
-    tail = slice(8, 16)
-    utils.fit(
-        second,
-        x[tail],
-        {k: v[tail] for k, v in y.items()},
-        MICRO,
-        sample_weight={k: v[tail] for k, v in sw.items()},
-    )
+    fit_part(second, slice(8, 16))
     assert int(second.optimizer.iterations) == 1
     utils.assert_same_weights(utils.weights(second), utils.weights(whole), atol=1e-6)
 
 
 def _padding_heads():
-    """A token head over masked embeddings (``mask_zero``) and a sequence
-    head pooled from unmasked ones (a masked average over padding alone is
-    0 / 0 in the big batch too)."""
-    tokens = keras.Input((LENGTH,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(tokens)
-    mlm = keras.layers.Dense(VOCAB, name="mlm")(h)
-    pooled = keras.layers.GlobalAveragePooling1D()(
-        keras.layers.Embedding(VOCAB, 4)(tokens)
-    )
-    nsp = keras.layers.Dense(2, name="nsp")(pooled)
-    return tokens, {"mlm": mlm, "nsp": nsp}
+    return utils.padding_heads(VOCAB, LENGTH, "mlm", "nsp")
 
 
 def _mlm_head():
@@ -286,23 +257,7 @@ def test_micro_batch_of_padding_contributes_nothing(heads, micro_batch_size):
         y, make_loss = y["mlm"], lambda: losses["mlm"]
     else:
         layers, make_loss = _padding_heads, lambda: losses
-    initial, reference, accumulated = _pair_plain(
-        layers, make_loss, x, y, micro_batch_size
+    initial, reference, accumulated = _pair(
+        layers, make_loss, x, y, None, micro_batch_size, n=len(x)
     )
     _exact(initial, reference, accumulated)
-
-
-def _pair_plain(layers, make_loss, x, y, micro_batch_size):
-    in_step = micro_batch_size is not None
-    return utils.train_pair(
-        layers,
-        lambda: keras.optimizers.SGD(LR),
-        x,
-        y,
-        batch_size=MICRO * K if in_step else MICRO,
-        accum_steps=1 if in_step else K,
-        reference_batch=MICRO * K,
-        epochs=1,
-        make_loss=make_loss,
-        model_kwargs={"micro_batch_size": micro_batch_size},
-    )

@@ -24,14 +24,22 @@ WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
 TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"
 
 
-def test_digits_demo_quick_matches_big_batch():
-    result = run_like_a_user("examples/digits_demo.py", "--quick")
+def _exact_example(script: str, ok: str):
+    """Runs ``script --quick`` as a user would: it must succeed quietly, end
+    with a verdict starting ``ok`` and print a weight difference <= 1e-4.
+    Returns the result and that difference."""
+    result = run_like_a_user(script, "--quick")
     assert result.returncode == 0, describe(result)
     assert_quiet(result)
-    assert verdict(result).startswith("OK: accumulation reproduced"), describe(result)
+    assert verdict(result).startswith(ok), describe(result)
     match = WEIGHT_DIFF.search(result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-4, describe(result)
+    return result, float(match.group(1))
+
+
+def test_digits_demo_quick_matches_big_batch():
+    _exact_example("examples/digits_demo.py", "OK: accumulation reproduced")
 
 
 def test_overhead_benchmark_quick_prints_table():
@@ -149,27 +157,15 @@ def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
 
 
 def test_schedule_example_quick_matches_big_batch():
-    result = run_like_a_user("examples/schedule.py", "--quick")
-    assert result.returncode == 0, describe(result)
-    assert_quiet(result)
-    match = WEIGHT_DIFF.search(result.stdout)
-    assert match and float(match.group(1)) <= 1e-4, describe(result)
+    result, _ = _exact_example("examples/schedule.py", "OK: the accumulation schedule")
     assert "accum_steps now 4" in result.stdout, describe(result)
-    assert verdict(result).startswith("OK: the accumulation schedule"), describe(result)
 
 
 def test_masked_sequence_example_quick_is_token_exact():
-    result = run_like_a_user("examples/masked_sequence.py", "--quick")
-    assert result.returncode == 0, describe(result)
-    assert_quiet(result)
-    assert verdict(result).startswith("OK: token-weighted"), describe(result)
-    match = WEIGHT_DIFF.search(result.stdout)
-    assert match and float(match.group(1)) <= 1e-4, describe(result)
+    result, diff = _exact_example("examples/masked_sequence.py", "OK: token-weighted")
     naive = re.search(r"\| keras-builtin [^|]*\| (\S+) \|", result.stdout)
     # The naive average is visibly off: the example shows a real difference.
-    assert naive and float(naive.group(1)) > 100 * float(match.group(1)), describe(
-        result
-    )
+    assert naive and float(naive.group(1)) > 100 * diff, describe(result)
 
 
 def test_denominators_benchmark_quick_prints_state_and_exactness():

@@ -367,13 +367,10 @@ _MIRRORED_CHILD = textwrap.dedent(
 
     for n, batch in ((64, 32), (56, 28)):
         x, y = utils.classification_data(n)
-        reference = utils.seeded(utils.plain_model)
-        initial = utils.weights(reference)
-        reference.compile(
-            optimizer=keras.optimizers.Adam(0.01),
-            loss=utils.sparse_ce(),
-            metrics=["accuracy"],
+        reference = utils.compiled(
+            utils.plain_model, keras.optimizers.Adam(0.01), metrics=["accuracy"]
         )
+        initial = utils.weights(reference)
         expected = utils.fit(reference, x, y, batch, epochs=2).history
 
         strategy = tf.distribute.MirroredStrategy(["CPU:0", "CPU:1"])

@@ -47,6 +47,10 @@ LENGTH = 12  # the preprocessor's sequence_length
 LETTERS = "abcdefgh"
 
 
+# A GPT-2 small enough for a test (the same in tests/test_reload_trainable_set.py).
+TINY = {"num_heads": 2, "hidden_dim": 16, "intermediate_dim": 32, "dropout": 0.0}
+
+
 def _vocabulary():
     """A byte-pair vocabulary of one-letter words: ``a``, ``Ġa`` (after a
     space), ..., and the merges that join the space to each letter."""
@@ -66,11 +70,8 @@ def _causal_lm() -> keras_hub.models.GPT2CausalLM:
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=tokenizer.vocabulary_size(),
         num_layers=1,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
         max_sequence_length=LENGTH + 4,
-        dropout=0.0,
+        **TINY,
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=preprocessor)
 

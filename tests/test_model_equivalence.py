@@ -26,6 +26,24 @@ UPDATES = EPOCHS * N // (B * K)
 PAIR = {"batch_size": B, "accum_steps": K, "epochs": EPOCHS}
 
 
+def _equivalent(layers, make_optimizer, x, y):
+    """``utils.train_pair`` (``PAIR``), asserted equivalent; returns the
+    reference and the accumulated model."""
+    initial, reference, accumulated = utils.train_pair(
+        layers, make_optimizer, x, y, **PAIR
+    )
+    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
+    return reference, accumulated
+
+
+def _plain_big_batch(optimizer, x, y):
+    """The weights plain Keras reaches on the big batch with ``optimizer``."""
+    plain = utils.seeded(utils.plain_model)
+    plain.compile(optimizer=optimizer, loss=utils.sparse_ce())
+    plain.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
+    return utils.weights(plain)
+
+
 def _mlp_data(n: int = N):
     return utils.classification_data(n)
 
@@ -59,10 +77,7 @@ def test_optimizer_matches_big_batch(architecture, optimizer):
     cycle, for SGD, momentum, Adam and AdamW on an MLP and a CNN."""
     layers, data = ARCHITECTURES[architecture]
     x, y = data()
-    initial, reference, accumulated = utils.train_pair(
-        layers, OPTIMIZERS[optimizer], x, y, **PAIR
-    )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
+    _equivalent(layers, OPTIMIZERS[optimizer], x, y)
 
 
 # ---------------------------------------------------- learning-rate schedules
@@ -85,10 +100,7 @@ def test_learning_rate_schedule_advances_once_per_update(schedule):
     """A learning-rate schedule is evaluated at the update count, not the
     micro-batch count: weights and the final learning rate match."""
     x, y = _mlp_data()
-    initial, reference, accumulated = utils.train_pair(
-        utils.mlp_layers, SCHEDULES[schedule], x, y, **PAIR
-    )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
+    reference, accumulated = _equivalent(utils.mlp_layers, SCHEDULES[schedule], x, y)
     np.testing.assert_allclose(
         float(accumulated.optimizer.learning_rate),
         float(reference.optimizer.learning_rate),
@@ -104,16 +116,11 @@ def test_ema_weights_match_big_batch():
     def ema():
         return keras.optimizers.Adam(0.02, use_ema=True, ema_momentum=0.5)
 
-    initial, reference, accumulated = utils.train_pair(
-        utils.mlp_layers, ema, x, y, **PAIR
-    )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
+    reference, _ = _equivalent(utils.mlp_layers, ema, x, y)
 
     # Non-vacuity: EMA changed the outcome compared with no EMA.
-    plain = utils.seeded(utils.plain_model)
-    plain.compile(optimizer=keras.optimizers.Adam(0.02), loss=utils.sparse_ce())
-    plain.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
-    assert utils.max_abs_diff(utils.weights(plain), utils.weights(reference)) > 1e-3
+    plain = _plain_big_batch(keras.optimizers.Adam(0.02), x, y)
+    assert utils.max_abs_diff(plain, utils.weights(reference)) > 1e-3
 
 
 # --------------------------------------------------------------- clipping
@@ -133,16 +140,11 @@ def test_clipping_acts_on_accumulated_gradient(clip):
     def clipped():
         return keras.optimizers.SGD(0.5, **CLIPPING[clip])
 
-    initial, reference, accumulated = utils.train_pair(
-        utils.mlp_layers, clipped, x, y, **PAIR
-    )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
+    reference, _ = _equivalent(utils.mlp_layers, clipped, x, y)
 
     # Non-vacuity: the clip value is small enough that clipping triggered.
-    unclipped = utils.seeded(utils.plain_model)
-    unclipped.compile(optimizer=keras.optimizers.SGD(0.5), loss=utils.sparse_ce())
-    unclipped.fit(x, y, batch_size=B * K, epochs=EPOCHS, shuffle=False, verbose=0)
-    change = utils.max_abs_diff(utils.weights(unclipped), utils.weights(reference))
+    unclipped = _plain_big_batch(keras.optimizers.SGD(0.5), x, y)
+    change = utils.max_abs_diff(unclipped, utils.weights(reference))
     assert change > 1e-3, f"clipping did not trigger (diff {change:.3g})"
 
 
@@ -164,10 +166,9 @@ def test_embedding_sparse_gradients_with_momentum():
     rng = np.random.default_rng(2)
     x = rng.integers(0, VOCAB, size=(N, 6)).astype("int32")
     y = rng.integers(0, 3, size=N)
-    initial, reference, accumulated = utils.train_pair(
-        _embedding_layers, lambda: keras.optimizers.SGD(0.5, momentum=0.9), x, y, **PAIR
+    _equivalent(
+        _embedding_layers, lambda: keras.optimizers.SGD(0.5, momentum=0.9), x, y
     )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
 
 # ----------------------------------------------------------- subclassing

@@ -21,6 +21,17 @@ K = 4  # accumulation steps
 EPOCHS = 2
 
 
+def _assert_big_batch(initial, reference, accumulated, n: int) -> None:
+    """The reference trained; the accumulated model ends on its weights after
+    one update per cycle, ``n`` samples an epoch."""
+    utils.assert_trained(initial, utils.weights(reference))
+    diff = utils.assert_same_weights(
+        utils.weights(accumulated), utils.weights(reference)
+    )
+    utils.report(diff, "max |w_accum - w_reference|")
+    assert int(accumulated.optimizer.iterations) == EPOCHS * n // (B * K)
+
+
 # ---------------------------------------------------------------------- XLA
 def test_jit_compile_matches_big_batch():
     """With jit_compile=True the XLA-compiled accumulating train step gives
@@ -48,14 +59,8 @@ def test_jit_compile_matches_big_batch():
     finally:
         tf.config.experimental.enable_op_determinism()
 
-    utils.assert_trained(initial, utils.weights(reference))
     utils.assert_trained(initial, utils.weights(accumulated))
-    diff = utils.assert_same_weights(
-        utils.weights(accumulated), utils.weights(reference)
-    )
-    utils.report(diff, "max |w_accum - w_reference|")
-    updates = EPOCHS * n // (B * K)
-    assert int(accumulated.optimizer.iterations) == updates
+    _assert_big_batch(initial, reference, accumulated, n)
 
 
 # -------------------------------------------------------- steps_per_execution
@@ -79,14 +84,8 @@ def test_steps_per_execution_crosses_cycles():
     )
     utils.fit(accumulated, x, y, B, EPOCHS)
 
-    utils.assert_trained(initial, utils.weights(reference))
-    diff = utils.assert_same_weights(
-        utils.weights(accumulated), utils.weights(reference)
-    )
-    utils.report(diff, "max |w_accum - w_reference|")
-    updates = EPOCHS * n // (B * K)
-    assert int(reference.optimizer.iterations) == updates
-    assert int(accumulated.optimizer.iterations) == updates
+    assert int(reference.optimizer.iterations) == EPOCHS * n // (B * K)
+    _assert_big_batch(initial, reference, accumulated, n)
 
 
 # --------------------------------------------------------- accum_steps = 1
@@ -121,19 +120,14 @@ def test_logged_loss_and_metrics_are_unscaled(n):
     equal plain Keras at the micro-batch size: the logged loss is the real
     loss, not the loss divided by accum_steps."""
     x, y = utils.classification_data(n)
-    reference = utils.seeded(utils.plain_model)
+    frozen = keras.optimizers.SGD
+    reference = utils.compiled(utils.plain_model, frozen(0.0), metrics=["accuracy"])
     initial = utils.weights(reference)
-    reference.compile(
-        optimizer=keras.optimizers.SGD(0.0),
-        loss=utils.sparse_ce(),
-        metrics=["accuracy"],
-    )
     expected = utils.fit(reference, x, y, B, EPOCHS)
 
-    model = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.0),
-        loss=utils.sparse_ce(),
+    model = utils.compiled(
+        lambda: utils.accumulating_model(accum_steps=K),
+        frozen(0.0),
         metrics=["accuracy"],
     )
     history = utils.fit(model, x, y, B, EPOCHS)

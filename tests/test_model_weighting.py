@@ -59,17 +59,7 @@ def test_sample_weight_matches_big_batch():
 
 
 # --------------------------------------------------------- masked sequences
-# One cycle of 4 micro-batches of 8: mostly padding first, nearly full last
-# (about 10, 30, 55 and 78 real tokens), then a cycle in the reverse order.
-_CYCLE = [
-    [1, 1, 2, 1, 1, 2, 1, 1],
-    [3, 4, 3, 5, 4, 3, 4, 4],
-    [6, 7, 7, 6, 8, 7, 7, 7],
-    [10, 9, 10, 10, 9, 10, 10, 10],
-]
-LENGTHS = [n for micro in _CYCLE for n in micro] + [
-    n for micro in reversed(_CYCLE) for n in micro
-]
+_CYCLE, LENGTHS = utils.PADDED_CYCLE, utils.PADDED_LENGTHS
 
 
 @pytest.mark.parametrize(

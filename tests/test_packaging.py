@@ -26,6 +26,7 @@ from packaging.specifiers import SpecifierSet
 
 import gradient_accumulator
 from gradient_accumulator import _requirements
+from tests import processes
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds per child process; subprocess.run kills it on expiry
@@ -47,15 +48,7 @@ print(json.dumps({
 
 
 def run(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [str(a) for a in args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    result = processes.run(args, cwd=cwd, env=env, timeout=TIMEOUT)
     assert result.returncode == 0, (
         f"{args}: exit code {result.returncode}\n--- stdout ---\n"
         f"{result.stdout[-4000:]}\n--- stderr ---\n{result.stderr[-4000:]}"

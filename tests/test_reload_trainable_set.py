@@ -54,17 +54,16 @@ def _rows(data, n: int):
 
 # ----------------------------------------------------------- keras-hub LoRA
 VOCABULARY, LENGTH = 64, 12
+# A GPT-2 small enough for a test (the same in tests/test_keras_hub.py).
+TINY = {"num_heads": 2, "hidden_dim": 16, "intermediate_dim": 32, "dropout": 0.0}
 
 
 def _gpt2() -> keras_hub.models.GPT2CausalLM:
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=VOCABULARY,
         num_layers=2,
-        num_heads=2,
-        hidden_dim=16,
-        intermediate_dim=32,
         max_sequence_length=LENGTH + 4,
-        dropout=0.0,
+        **TINY,
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 

@@ -242,32 +242,12 @@ def test_tf_checkpoint_without_pending_buffers_would_differ(kind, tmp_path):
 
 
 # ------------------------------------------------------- BackupAndRestore
-class _Interrupt(Exception):
-    pass
-
-
-class _InterruptAt(keras.callbacks.Callback):
-    """Raises at the end of a given batch of a given epoch."""
-
-    def __init__(self, epoch: int, batch: int):
-        super().__init__()
-        self.epoch, self.batch = epoch, batch
-        self._current = None
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._current == self.epoch and batch == self.batch:
-            raise _Interrupt(f"interrupted at epoch {self.epoch}, batch {batch}")
-
-
 def _interrupt_and_resume(build, x, y, backup_dir: str):
     """Trains ``build()`` under BackupAndRestore until an interruption in
     epoch 3, then resumes a fresh ``build()`` (other initial weights) from the
     backup. Returns the interrupted model, the resumed one and its history."""
     model = utils.seeded(build)
-    with pytest.raises(_Interrupt):
+    with pytest.raises(utils.Interrupt):
         utils.fit(
             model,
             x,
@@ -276,7 +256,7 @@ def _interrupt_and_resume(build, x, y, backup_dir: str):
             EPOCHS,
             callbacks=[
                 keras.callbacks.BackupAndRestore(backup_dir),
-                _InterruptAt(epoch=2, batch=1),
+                utils.InterruptAt(epoch=2, batch=1),
             ],
         )
     resumed = utils.seeded(build, seed=123)
@@ -318,7 +298,7 @@ def test_backup_and_restore_batch_frequency_saves_pending_state(kind, tmp_path):
     backup_dir = tmp_path / "backup"
 
     model = utils.seeded(lambda: _build(kind))
-    with pytest.raises(_Interrupt):
+    with pytest.raises(utils.Interrupt):
         utils.fit(
             model,
             x,
@@ -328,7 +308,7 @@ def test_backup_and_restore_batch_frequency_saves_pending_state(kind, tmp_path):
             callbacks=[
                 # 5 batches: the backup happens after micro-batch 5 (mid-cycle)
                 keras.callbacks.BackupAndRestore(str(backup_dir), save_freq=5),
-                _InterruptAt(epoch=1, batch=1),  # right after micro-batch 5
+                utils.InterruptAt(epoch=1, batch=1),  # right after micro-batch 5
             ],
         )
     state = utils.accumulator(model)

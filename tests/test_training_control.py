@@ -1,8 +1,11 @@
 """Training control, against plain Keras on the big batch: accumulation
 schedules, partial cycles (carry / flush / drop), the skip hook, cycle-aware
-logs and adaptive gradient clipping (against a NumPy reference)."""
+logs and adaptive gradient clipping (against a NumPy reference). (The
+callbacks, in both Kerases: tests/both/test_callbacks.py.)"""
 
 from __future__ import annotations
+
+import functools
 
 import keras
 import numpy as np
@@ -10,10 +13,7 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator import (
-    AccumulationScheduler,
-    FlushPartialCycle,
     GradientAccumulateModel,
-    GradientAccumulateOptimizer,
     accumulate,
     adaptive_clip_grad,
     unitwise_norm,
@@ -25,27 +25,13 @@ K = 4
 LR = 0.05
 
 
-def _compiled(make_model, optimizer=None) -> keras.Model:
-    """``make_model()``, seeded and compiled (with ``optimizer``, by default
-    Adam(LR), and sparse cross-entropy)."""
-
-    def build():
-        model = make_model()
-        model.compile(
-            optimizer=optimizer or keras.optimizers.Adam(LR), loss=utils.sparse_ce()
-        )
-        return model
-
-    return utils.seeded(build)
+_compiled = utils.compiled
 
 
-def _plain(optimizer=None) -> keras.Model:
-    return _compiled(utils.plain_model, optimizer)
+_plain = utils.compiled_plain
 
 
-def _accumulating(optimizer=None, **kwargs) -> GradientAccumulateModel:
-    kwargs.setdefault("accum_steps", K)
-    return _compiled(lambda: utils.accumulating_model(**kwargs), optimizer)
+_accumulating = functools.partial(utils.compiled_accumulating, accum_steps=K)
 
 
 def _fit(model, x, y, batch_size=B, **kwargs):
@@ -60,51 +46,6 @@ def _train_on(model, x, y, batches) -> None:
 
 
 # ---------------------------------------------------------------- schedules
-def test_epoch_schedule_matches_growing_big_batches():
-    """{0: 1, 1: 4}: epoch 0 trains at batch 8, epoch 1 at batch 32."""
-    x, y = utils.classification_data(64)
-    reference = _plain()
-    initial = utils.weights(reference)
-    _fit(reference, x, y, batch_size=B)
-    _fit(reference, x, y, batch_size=K * B)
-
-    model = _accumulating(accum_steps=1)
-    _fit(model, x, y, epochs=2, callbacks=[AccumulationScheduler({0: 1, 1: 4})])
-    assert model.accum_steps == 4
-    assert int(model.optimizer.iterations) == 64 // B + 64 // (K * B) == 10
-    utils.assert_trained(initial, utils.weights(model))
-    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-
-
-def test_update_count_schedule_changes_only_at_cycle_boundaries():
-    """fn(updates): 2 updates of 2 micro-batches, then cycles of 4. The
-    change is asked for mid-cycle by the callback and must wait."""
-    x, y = utils.classification_data(64)
-    reference = _plain()
-    _train_on(reference, x, y, [(0, 16), (16, 32), (32, 64)])
-
-    model = _accumulating(accum_steps=2)
-    schedule = AccumulationScheduler(lambda updates: 2 if updates < 2 else 4)
-    _fit(model, x, y, callbacks=[schedule])
-    assert int(model.optimizer.iterations) == 3
-    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-
-
-def test_schedule_with_optimizer_wrapper():
-    x, y = utils.classification_data(64)
-    reference = _plain(keras.optimizers.SGD(LR))
-    _fit(reference, x, y, batch_size=B)
-    _fit(reference, x, y, batch_size=K * B)
-
-    model = utils.seeded(utils.plain_model)
-    opt = GradientAccumulateOptimizer(keras.optimizers.SGD(LR), accum_steps=1)
-    model.compile(optimizer=opt, loss=utils.sparse_ce())
-    _fit(model, x, y, epochs=2, callbacks=[AccumulationScheduler({0: 1, 1: 4})])
-    assert opt.accum_steps == 4
-    assert int(opt.iterations) == 10
-    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-
-
 def test_changed_accum_steps_survives_keras_file(tmp_path):
     x, y = utils.classification_data(32)
     model = _accumulating(accum_steps=2)
@@ -114,28 +55,6 @@ def test_changed_accum_steps_survives_keras_file(tmp_path):
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert loaded.accum_steps == 8
     assert int(loaded._accumulator.accum_steps_variable) == 8
-
-
-@pytest.mark.parametrize(
-    "schedule, error",
-    [
-        ({}, ValueError),
-        ({-1: 2}, ValueError),
-        ({0: 0}, ValueError),
-        ({0: 2.5}, TypeError),
-        ("4", TypeError),
-    ],
-)
-def test_scheduler_validates_schedule(schedule, error):
-    with pytest.raises(error, match="schedule"):
-        AccumulationScheduler(schedule)
-
-
-def test_scheduler_needs_an_accumulating_model():
-    model = _plain()
-    x, y = utils.classification_data(16)
-    with pytest.raises(ValueError, match="GradientAccumulateModel"):
-        _fit(model, x, y, callbacks=[AccumulationScheduler({0: 2})])
 
 
 # ----------------------------------------------------------- partial cycles
@@ -182,24 +101,6 @@ def test_drop_discards_partial_cycles():
     utils.assert_same_weights(utils.weights(model), utils.weights(reference))
 
 
-def test_flush_method_and_callback_for_optimizer_wrapper():
-    """Equal micro-batches (the optimizer wrapper weighs calls equally):
-    3 of 8 per epoch, flushed by the callback each epoch."""
-    x, y = utils.classification_data(24)
-    reference = _plain()
-    _fit(reference, x, y, batch_size=24, epochs=2)
-
-    model = utils.seeded(utils.plain_model)
-    opt = GradientAccumulateOptimizer(keras.optimizers.Adam(LR), accum_steps=K)
-    model.compile(optimizer=opt, loss=utils.sparse_ce())
-    _fit(model, x, y, epochs=2, callbacks=[FlushPartialCycle()])
-    assert int(opt.iterations) == 2
-    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-
-    opt.flush()  # an empty cycle: nothing happens
-    assert int(opt.iterations) == 2
-
-
 def test_explicit_flush_and_drop_methods():
     x, y = utils.classification_data(16)
     model = _accumulating(flush_at_end=False)
@@ -230,13 +131,6 @@ def test_model_validates_cycle_arguments(kwargs, error):
     name = next(iter(kwargs))
     with pytest.raises(error, match=name):
         _accumulating(**kwargs)
-
-
-def test_flush_callback_validates_arguments():
-    with pytest.raises(ValueError, match="mode"):
-        FlushPartialCycle(mode="apply")
-    with pytest.raises(TypeError, match="every_epoch"):
-        FlushPartialCycle(every_epoch="yes")
 
 
 # ------------------------------------------------------------------ skipping

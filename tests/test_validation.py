@@ -11,7 +11,7 @@ import keras
 import pytest
 
 from gradient_accumulator import GradientAccumulateOptimizer
-from tests import utils
+from tests import processes, utils
 
 BAD_ACCUM_STEPS = [
     pytest.param(0, ValueError, id="zero"),
@@ -159,13 +159,8 @@ def test_optimizer_rejects_experimental_distributed_support_by_name():
 # ------------------------------------------------------------- backend
 def _run(code: str, backend: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="3")
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    return processes.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, timeout=120
     )
 
 

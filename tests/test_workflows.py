@@ -152,13 +152,8 @@ def test_freeze_train_unfreeze_recompile_train_equals_big_batch(K):
     utils.assert_same_weights(wrapped.get_weights(), plain.get_weights(), 0.0)
     initial = utils.weights(plain)
 
-    for model, b, batch in ((plain, ref_base, B * K), (wrapped, base_w, B)):
-        b.trainable = False
-        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
-        utils.fit(model, x, y, batch, epochs=2)
-        b.trainable = True
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=utils.sparse_ce())
-        utils.fit(model, x, y, batch, epochs=2)
+    runs = ((plain, ref_base, B * K), (wrapped, base_w, B))
+    utils.freeze_train_unfreeze(runs, x, y, lambda: keras.optimizers.Adam(1e-3))
 
     utils.assert_trained(initial, utils.weights(plain))
     assert len(wrapped.trainable_weights) == len(plain.trainable_weights) == 4

@@ -1,15 +1,19 @@
-"""Shared helpers: the reference is always plain Keras on the big batch."""
+"""Shared helpers: the reference is always plain Keras on the big batch.
+
+In the Keras of the session (``tests/flavour.py``): the tf-keras suite's
+helpers (``tests/keras2/utils.py``) take theirs from here where they are
+the same."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from tests.flavour import keras
 
 # float32 with deterministic ops: accumulation reorders sums, nothing more.
 ATOL = 2e-5
@@ -25,12 +29,25 @@ def seeded(build: Callable[[], keras.Model], seed: int = 0) -> keras.Model:
     return build()
 
 
-def mlp_layers(inputs_dim: int = 8, classes: int = 3):
+def mlp_layers(inputs_dim: int = 8, classes: int = 3, regularizer=None):
     """(inputs, outputs) of a small MLP, for functional models."""
     inputs = keras.Input((inputs_dim,))
-    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    hidden = keras.layers.Dense(16, activation="tanh", kernel_regularizer=regularizer)(
+        inputs
+    )
     outputs = keras.layers.Dense(classes)(hidden)
     return inputs, outputs
+
+
+def sequential_mlp() -> keras.Model:
+    """The small MLP as a ``Sequential`` model."""
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="tanh"),
+            keras.layers.Dense(3),
+        ]
+    )
 
 
 def plain_model(layers: Callable = mlp_layers) -> keras.Model:
@@ -69,6 +86,55 @@ def sequence_layers(kind: str = "gru"):
         h = keras.layers.TimeDistributed(keras.layers.Dense(8, activation="tanh"))(h)
     outputs = keras.layers.Dense(VOCAB)(h)
     return inputs, outputs
+
+
+# One cycle of 4 micro-batches of 8 sequence lengths: mostly padding first,
+# nearly full last (about 10, 30, 55 and 78 real tokens), then a cycle in the
+# reverse order (for padded_sequences).
+PADDED_CYCLE = [
+    [1, 1, 2, 1, 1, 2, 1, 1],
+    [3, 4, 3, 5, 4, 3, 4, 4],
+    [6, 7, 7, 6, 8, 7, 7, 7],
+    [10, 9, 10, 10, 9, 10, 10, 10],
+]
+PADDED_LENGTHS = [n for micro in PADDED_CYCLE for n in micro] + [
+    n for micro in reversed(PADDED_CYCLE) for n in micro
+]
+
+
+def pretraining_layers(
+    vocab: int,
+    length: int,
+    heads: tuple[str, str],
+    regularizer=None,
+    mask_zero: bool = True,
+):
+    """(inputs, outputs) of a tiny BERT-like model over ``length`` token ids:
+    an embedding, a dense trunk, a token head (logits per position) and a
+    sequence head (2 classes), named by ``heads``."""
+    token_head, sequence_head = heads
+    tokens = keras.Input((length,), dtype="int32")
+    h = keras.layers.Embedding(vocab, 8, mask_zero=mask_zero)(tokens)
+    h = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(h)
+    per_token = keras.layers.Dense(vocab, name=token_head)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(h)
+    per_sequence = keras.layers.Dense(2, name=sequence_head)(pooled)
+    return tokens, {token_head: per_token, sequence_head: per_sequence}
+
+
+def padding_heads(vocab: int, length: int, token_head: str, sequence_head: str):
+    """(inputs, outputs) of two heads over ``length`` token ids: a token head
+    over masked embeddings (``mask_zero``) and a sequence head (2 classes)
+    pooled from unmasked ones (a masked average over padding alone is 0 / 0
+    in the big batch too), by the given names."""
+    tokens = keras.Input((length,), dtype="int32")
+    h = keras.layers.Embedding(vocab, 8, mask_zero=True)(tokens)
+    per_token = keras.layers.Dense(vocab, name=token_head)(h)
+    pooled = keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(vocab, 4)(tokens)
+    )
+    per_sequence = keras.layers.Dense(2, name=sequence_head)(pooled)
+    return tokens, {token_head: per_token, sequence_head: per_sequence}
 
 
 def padded_sequences(lengths, seed=0):
@@ -125,12 +191,73 @@ def sparse_ce(**kwargs) -> keras.losses.Loss:
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
 
 
-def fit(model: keras.Model, x, y, batch_size: int, epochs: int = 1, **kwargs):
+def compiled(
+    make_model: Callable, optimizer=None, lr: float = 0.05, **compile_kwargs
+) -> keras.Model:
+    """``make_model()``, seeded and compiled with ``optimizer`` (by default
+    ``Adam(lr)``), sparse cross-entropy and ``compile_kwargs``."""
+
+    def build():
+        model = make_model()
+        model.compile(
+            optimizer=optimizer or keras.optimizers.Adam(lr),
+            loss=sparse_ce(),
+            **compile_kwargs,
+        )
+        return model
+
+    return seeded(build)
+
+
+def compiled_plain(optimizer=None) -> keras.Model:
+    """``compiled`` over the small MLP."""
+    return compiled(plain_model, optimizer)
+
+
+def compiled_accumulating(optimizer=None, **kwargs) -> GradientAccumulateModel:
+    """``compiled`` over ``GradientAccumulateModel(**kwargs)`` on the MLP."""
+    return compiled(lambda: accumulating_model(**kwargs), optimizer)
+
+
+def fit(model: keras.Model, x, y=None, batch_size=None, epochs: int = 1, **kwargs):
     """``model.fit`` in data order (``shuffle=False``) and silently; returns
     the history."""
     return model.fit(
         x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
     )
+
+
+def freeze_train_unfreeze(runs, x, y, make_second_optimizer: Callable) -> None:
+    """Keras' transfer-learning recipe for each ``(model, base, batch_size)``
+    of ``runs``: ``base`` frozen, Adam(1e-2), 2 epochs; then unfrozen,
+    recompiled with ``make_second_optimizer()``, 2 epochs more."""
+    for model, base, batch_size in runs:
+        base.trainable = False
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=sparse_ce())
+        fit(model, x, y, batch_size, epochs=2)
+        base.trainable = True
+        model.compile(optimizer=make_second_optimizer(), loss=sparse_ce())
+        fit(model, x, y, batch_size, epochs=2)
+
+
+class Interrupt(Exception):
+    """What ``InterruptAt`` raises: a training run cut short."""
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Raises ``Interrupt`` at the end of a given batch of a given epoch."""
+
+    def __init__(self, epoch: int, batch: int):
+        super().__init__()
+        self.epoch, self.batch = epoch, batch
+        self._current = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._current = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._current == self.epoch and batch == self.batch:
+            raise Interrupt(f"interrupted at epoch {self.epoch}, batch {batch}")
 
 
 def naive_sgd_step(
@@ -180,7 +307,9 @@ def weights(model: keras.Model) -> list[np.ndarray]:
 
 def max_abs_diff(a: list[np.ndarray], b: list[np.ndarray]) -> float:
     assert len(a) == len(b), (len(a), len(b))
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+    return max(
+        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b)
+    )
 
 
 def report(diff: float, label: str = "max |w_accum - w_bigbatch|") -> float:

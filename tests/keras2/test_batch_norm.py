@@ -129,31 +129,6 @@ def test_one_layer_after_a_conv2d_and_after_a_dense_as_0_5_allowed():
     assert np.all(variance > 0)
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"accum_steps": 0}, ValueError, "accum_steps"),
-        ({"axis": 1.5}, TypeError, "axis"),
-        ({"momentum": 2.0}, ValueError, "momentum"),
-        ({"epsilon": "small"}, TypeError, "epsilon"),
-        ({"renorm": True}, ValueError, "renorm"),
-        ({"synchronized": True}, ValueError, "synchronized"),
-    ],
-)
-def test_argument_validation(kwargs, error, match):
-    with pytest.raises(error, match=match):
-        AccumBatchNormalization(**kwargs)
-
-
-def test_explicit_accum_steps_must_match_the_model():
-    inputs = tf_keras.Input((3,))
-    outputs = AccumBatchNormalization(accum_steps=3)(inputs)
-    model = GradientAccumulateModel(accum_steps=2, inputs=inputs, outputs=outputs)
-    model.compile("sgd", "mse")
-    with pytest.raises(ValueError, match="accum_steps=3"):
-        model.fit(np.ones((4, 3)), np.ones((4, 3)), batch_size=2, verbose=0)
-
-
 def test_mirrored_strategy_pools_every_replica(mirrored):
     strategy = mirrored
     x, y = _data((6,))

@@ -20,13 +20,7 @@ VOCAB, LENGTH, N = 16, 10, 64
 
 
 def _pretraining(regularizer=None):
-    inputs = tf_keras.Input((LENGTH,), dtype="int32")
-    h = tf_keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
-    h = tf_keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(h)
-    tokens = tf_keras.layers.Dense(VOCAB, name="tokens")(h)
-    pooled = tf_keras.layers.GlobalAveragePooling1D()(h)
-    sequence = tf_keras.layers.Dense(2, name="sequence")(pooled)
-    return inputs, {"tokens": tokens, "sequence": sequence}
+    return utils.pretraining_layers(VOCAB, LENGTH, ("tokens", "sequence"), regularizer)
 
 
 def _corpus(seed: int = 0):
@@ -158,17 +152,7 @@ def _tokens_only():
 
 
 def _unmasked_sequence_head():
-    """The token head over masked embeddings, and a sequence head pooled
-    from unmasked ones (a masked average of a sequence of padding alone is
-    0 / 0 in plain tf-keras' big batch too)."""
-    inputs = tf_keras.Input((LENGTH,), dtype="int32")
-    h = tf_keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
-    tokens = tf_keras.layers.Dense(VOCAB, name="tokens")(h)
-    pooled = tf_keras.layers.GlobalAveragePooling1D()(
-        tf_keras.layers.Embedding(VOCAB, 4)(inputs)
-    )
-    sequence = tf_keras.layers.Dense(2, name="sequence")(pooled)
-    return inputs, {"tokens": tokens, "sequence": sequence}
+    return utils.padding_heads(VOCAB, LENGTH, "tokens", "sequence")
 
 
 @pytest.mark.parametrize(

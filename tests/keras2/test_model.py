@@ -111,10 +111,7 @@ def test_clipping_acts_on_accumulated_gradient(clip):
     x, y = utils.classification_data()
     initial, reference, accumulated = _pair(utils.CLIPPING[clip], x, y)
     utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    gap = utils.report(
-        utils.unclipped_gap(utils.CLIPPING[clip], reference, x, y), "non-vacuity gap"
-    )
-    assert gap > 1e-3, f"clipping did not act ({gap:.3g})"
+    utils.assert_acted(utils.CLIPPING[clip], reference, "clipping did not act")
 
 
 @pytest.mark.parametrize("ema", list(utils.EMA))
@@ -124,10 +121,7 @@ def test_ema_weights_match_big_batch(ema):
     x, y = utils.classification_data()
     initial, reference, accumulated = _pair(utils.EMA[ema], x, y)
     utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    gap = utils.report(
-        utils.unclipped_gap(utils.EMA[ema], reference, x, y), "non-vacuity gap"
-    )
-    assert gap > 1e-3, f"EMA did not change the outcome ({gap:.3g})"
+    utils.assert_acted(utils.EMA[ema], reference, "EMA did not change the outcome")
 
 
 # ------------------------------------------------------------ exact weighting
@@ -146,17 +140,7 @@ def test_sample_weight_matches_big_batch():
     assert gap > 1e-3, f"sample weights did not matter ({gap:.3g})"
 
 
-# One cycle of 4 micro-batches of 8 with very different padding (about 10,
-# 30, 55 and 78 real tokens), then the same in the reverse order.
-_CYCLE = [
-    [1, 1, 2, 1, 1, 2, 1, 1],
-    [3, 4, 3, 5, 4, 3, 4, 4],
-    [6, 7, 7, 6, 8, 7, 7, 7],
-    [10, 9, 10, 10, 9, 10, 10, 10],
-]
-LENGTHS = [n for micro in _CYCLE for n in micro] + [
-    n for micro in reversed(_CYCLE) for n in micro
-]
+LENGTHS = utils.PADDED_LENGTHS
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+sample_weight"])
@@ -469,23 +453,11 @@ def test_non_finite_micro_batch_skips_its_whole_cycle():
     x[B * K + B + 3, 2] = np.nan  # cycle 2, micro-batch 2
     adam = lambda: tf_keras.optimizers.Adam(0.01)  # noqa: E731
 
-    reference = utils.seeded(utils.plain_model)
-    initial = utils.weights(reference)
-    reference.compile(optimizer=adam(), loss=utils.sparse_ce())
-    for start in (0, 2 * B * K):
-        utils.fit(reference, x[start : start + B * K], y[start : start + B * K], B * K)
+    initial, reference = utils.big_batch_without_the_middle_cycle(adam, x, y)
 
     model = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
     model.compile(optimizer=adam(), loss=utils.sparse_ce())
-    seen = utils.WeightsAtBatchEnd()
-    utils.fit(model, x, y, B, callbacks=[seen])
-    assert len(seen.seen) == 3 * K
-    after_first, after_second = seen.seen[K - 1], seen.seen[2 * K - 1]
-    utils.assert_trained(initial, after_first)
-    utils.assert_finite(after_second)
-    assert utils.max_abs_diff(after_first, after_second) == 0.0
-    utils.assert_trained(after_second, seen.seen[-1])
-    utils.assert_finite(utils.weights(model))
+    utils.fit_skipping_the_middle_cycle(model, x, y, initial)
     utils.assert_equivalent(initial, reference, model, 2)
 
 
@@ -520,35 +492,6 @@ def test_keras3_model_class_is_not_the_tf_keras_one():
     tf-keras host, not the Keras 3 one."""
     assert issubclass(GradientAccumulateModel, tf_keras.Model)
     assert not issubclass(GradientAccumulateModel, keras.Model)
-
-
-def test_with_optimizer_wrapper_warns_and_updates_every_product():
-    """tf-keras: the model wrapper compiled with an optimizer wrapper warns,
-    naming the product (2 x 2), and trains as the big batch of 4
-    micro-batches, exactly."""
-    from gradient_accumulator import GradientAccumulateOptimizer, accumulate
-
-    x, y = utils.classification_data()
-    initial, reference = utils.big_batch(
-        lambda: tf_keras.optimizers.SGD(0.1), x, y, batch_size=4 * B, epochs=1
-    )
-    model = utils.seeded(lambda: utils.accumulating_model(accum_steps=2))
-    inner = GradientAccumulateOptimizer(tf_keras.optimizers.SGD(0.1), accum_steps=2)
-    with pytest.warns(UserWarning, match="every 4 micro-batches") as warned:
-        model.compile(optimizer=inner, loss=utils.sparse_ce())
-    assert warned[0].filename == __file__
-    utils.fit(model, x, y, B)
-    assert int(model.optimizer.iterations) == N // (4 * B)
-    utils.assert_trained(initial, utils.weights(model))
-    utils.assert_same_weights(utils.weights(model), utils.weights(reference))
-
-    compiled = utils.seeded(utils.plain_model)
-    compiled.compile(
-        optimizer=GradientAccumulateOptimizer(tf_keras.optimizers.SGD(0.1), 2),
-        loss=utils.sparse_ce(),
-    )
-    with pytest.warns(UserWarning, match="every 6 micro-batches"):
-        accumulate(compiled, accum_steps=3)
 
 
 def test_a_keras_3_model_given_to_the_tf_keras_classes_is_named():

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
+from tests.utils import Interrupt, InterruptAt  # the same in both Kerases
 
 MICRO, STEPS = 8, 4
 
@@ -92,6 +93,15 @@ def test_weights_files_are_the_plain_models(wrapper, tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
+def _finish_as(straight, model, x, y) -> None:
+    """``model``, restored after 3 micro-batches, trains on the rest of the
+    data: the 2 updates and the weights of the run never interrupted."""
+    _fit(model, x[24:], y[24:])
+    assert model.optimizer.iterations.numpy() == 2
+    for got, want in zip(model.get_weights(), straight.get_weights()):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 def test_checkpoint_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
     x, y = _data()
@@ -109,10 +119,7 @@ def test_checkpoint_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
         path
     ).assert_existing_objects_matched()
-    _fit(resumed, x[24:], y[24:])
-    assert resumed.optimizer.iterations.numpy() == 2
-    for got, want in zip(resumed.get_weights(), straight.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-6)
+    _finish_as(straight, resumed, x, y)
 
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
@@ -125,29 +132,7 @@ def test_keras_file_mid_cycle_resumes_the_cycle(wrapper, tmp_path):
     _fit(first, x[:24], y[:24])  # 3 micro-batches of the first cycle
     first.save(tmp_path / "m.keras")
     loaded = tf_keras.models.load_model(tmp_path / "m.keras")
-    _fit(loaded, x[24:], y[24:])
-    assert loaded.optimizer.iterations.numpy() == 2
-    for got, want in zip(loaded.get_weights(), straight.get_weights()):
-        np.testing.assert_allclose(got, want, atol=1e-6)
-
-
-class _Interrupt(Exception):
-    pass
-
-
-class _InterruptAt(tf_keras.callbacks.Callback):
-    """Raises at the end of a given batch of a given epoch."""
-
-    def __init__(self, epoch: int, batch: int):
-        super().__init__()
-        self.epoch, self.batch = epoch, batch
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.current, batch) == (self.epoch, self.batch):
-            raise _Interrupt
+    _finish_as(straight, loaded, x, y)
 
 
 @pytest.mark.parametrize("wrapper", ["model", "optimizer"])
@@ -173,12 +158,12 @@ def test_backup_and_restore_resumes_a_partial_cycle(wrapper, tmp_path):
     fit(straight, 4)
     backup = str(tmp_path / "backup")
     interrupted = _model(wrapper)
-    with pytest.raises(_Interrupt):
+    with pytest.raises(Interrupt):
         fit(
             interrupted,
             4,
             tf_keras.callbacks.BackupAndRestore(backup),
-            _InterruptAt(epoch=2, batch=1),
+            InterruptAt(epoch=2, batch=1),
         )
     resumed = _model(wrapper)
     # Other initial weights: the backup must restore them all.

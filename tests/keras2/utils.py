@@ -3,23 +3,44 @@ plain tf-keras ``fit`` on the big batch, from the same seed and weights."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 import tf_keras
 
-# float32 with deterministic ops: accumulation reorders sums, nothing more.
-ATOL = 2e-5
+# The helpers that are the same in both Kerases, for the tests that import
+# them from here.
+from tests.utils import (  # noqa: F401
+    ATOL,
+    PADDED_LENGTHS,
+    SEQ_LEN,
+    VOCAB,
+    accumulating_model,
+    assert_same_weights,
+    assert_trained,
+    classification_data,
+    compiled,
+    compiled_accumulating,
+    compiled_plain,
+    fit,
+    max_abs_diff,
+    mlp_layers,
+    padded_sequences,
+    padding_heads,
+    plain_model,
+    pretraining_layers,
+    report,
+    seeded,
+    sequential_mlp,
+    sparse_ce,
+)
+
 B = 8  # micro-batch size
 K = 4  # accumulation steps
 N = 64  # samples: a multiple of B * K, so cycles and big batches line up
 EPOCHS = 2
 UPDATES = EPOCHS * N // (B * K)
-# Token ids 0..VOCAB-1 (0 pads) and steps of the sequence helpers.
-VOCAB = 12
-SEQ_LEN = 10
 
 legacy = tf_keras.optimizers.legacy
 
@@ -76,23 +97,6 @@ EMA = {
 
 
 # -------------------------------------------------------------------- models
-def seeded(build: Callable, seed: int = 0):
-    """Calls ``build`` with all tf-keras/NumPy/TF seeds set, so that two calls
-    give identical initial weights."""
-    tf_keras.utils.set_random_seed(seed)
-    return build()
-
-
-def mlp_layers(inputs_dim: int = 8, classes: int = 3, regularizer=None):
-    """(inputs, outputs) of a small MLP, for functional models."""
-    inputs = tf_keras.Input((inputs_dim,))
-    hidden = tf_keras.layers.Dense(
-        16, activation="tanh", kernel_regularizer=regularizer
-    )(inputs)
-    outputs = tf_keras.layers.Dense(classes)(hidden)
-    return inputs, outputs
-
-
 def regularized_layers():
     """The MLP with an L2 kernel regularizer on its hidden layer."""
     return mlp_layers(regularizer=tf_keras.regularizers.L2(0.05))
@@ -117,28 +121,6 @@ def two_output_layers():
     return inputs, {"cls": cls, "reg": reg}
 
 
-def plain_model(layers: Callable = mlp_layers) -> tf_keras.Model:
-    """A plain ``tf_keras.Model`` over ``layers()`` (by default the MLP)."""
-    inputs, outputs = layers()
-    return tf_keras.Model(inputs=inputs, outputs=outputs)
-
-
-def accumulating_model(layers: Callable = mlp_layers, **kwargs):
-    """``GradientAccumulateModel(**kwargs)`` over ``layers()``."""
-    from gradient_accumulator import GradientAccumulateModel
-
-    inputs, outputs = layers()
-    return GradientAccumulateModel(inputs=inputs, outputs=outputs, **kwargs)
-
-
-# ---------------------------------------------------------------------- data
-def classification_data(n: int = N, dim: int = 8, classes: int = 3, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, dim)).astype("float32")
-    y = rng.integers(0, classes, size=n)
-    return x, y
-
-
 def digits_data(n: int = N):
     """The first ``n`` of scikit-learn's bundled 8x8 digits, flattened and
     scaled to [0, 1], with their labels (0..9)."""
@@ -158,36 +140,12 @@ def two_output_data(n: int, seed: int = 7):
     return x, y
 
 
-def padded_sequences(lengths, seed=0):
-    """Token ids in 1..VOCAB-1 for the first ``length`` steps, 0 (padding)
-    after; per-token targets everywhere (the padded ones must be masked)."""
-    rng = np.random.default_rng(seed)
-    x = np.zeros((len(lengths), SEQ_LEN), dtype="int32")
-    for i, length in enumerate(lengths):
-        x[i, :length] = rng.integers(1, VOCAB, size=length)
-    y = rng.integers(0, VOCAB, size=(len(lengths), SEQ_LEN))
-    return x, y
-
-
-def sparse_ce(**kwargs):
-    """Sparse categorical cross-entropy on logits, the loss most tests use."""
-    return tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
-
-
 def unknown_length(x, y, batch_size: int) -> tf.data.Dataset:
     """``(x, y)`` in batches of ``batch_size``, of unknown cardinality."""
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
     dataset = dataset.filter(lambda *a: True)
     assert int(dataset.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
     return dataset
-
-
-# ------------------------------------------------------------------ training
-def fit(model, x, y=None, batch_size=None, epochs: int = 1, **kwargs):
-    """``model.fit`` in data order (``shuffle=False``) and silently."""
-    return model.fit(
-        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
-    )
 
 
 def big_batch(
@@ -247,37 +205,37 @@ class WeightsAtBatchEnd(tf_keras.callbacks.Callback):
         self.seen.append(weights(self.model))
 
 
+def big_batch_without_the_middle_cycle(make_optimizer: Callable, x, y):
+    """The reference of a run whose second of three cycles is skipped: plain
+    tf-keras, seeded, trained on cycles 1 and 3 in batches of B * K.
+    Returns (initial weights, model)."""
+    reference = seeded(plain_model)
+    initial = weights(reference)
+    reference.compile(optimizer=make_optimizer(), loss=sparse_ce())
+    for start in (0, 2 * B * K):
+        fit(reference, x[start : start + B * K], y[start : start + B * K], B * K)
+    return initial, reference
+
+
+def fit_skipping_the_middle_cycle(model, x, y, initial) -> None:
+    """Fits ``model`` in micro-batches of B over three cycles of K, the second
+    holding a non-finite micro-batch: the first cycle moves the weights, the
+    second leaves them bit-for-bit (and finite), the third moves them."""
+    seen = WeightsAtBatchEnd()
+    fit(model, x, y, B, callbacks=[seen])
+    assert len(seen.seen) == 3 * K
+    after_first, after_second = seen.seen[K - 1], seen.seen[2 * K - 1]
+    assert_trained(initial, after_first)
+    assert_finite(after_second)
+    assert max_abs_diff(after_first, after_second) == 0.0
+    assert_trained(after_second, seen.seen[-1])
+    assert_finite(weights(model))
+
+
 # ----------------------------------------------------------------- checking
 def weights(model) -> list[np.ndarray]:
     """The model's trainable weights as NumPy arrays."""
     return [w.numpy() for w in model.trainable_weights]
-
-
-def max_abs_diff(a, b) -> float:
-    assert len(a) == len(b), (len(a), len(b))
-    return max(
-        float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b)
-    )
-
-
-def report(diff: float, label: str = "max |w_accum - w_bigbatch|") -> float:
-    """Prints a measured difference (visible with ``pytest -s``); returns it."""
-    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
-    print(f"\n[{label}] {test}: {diff:.3g}")
-    return diff
-
-
-def assert_same_weights(a, b, atol: float = ATOL) -> float:
-    """Asserts two weight lists agree within ``atol``; returns the max diff."""
-    diff = max_abs_diff(a, b)
-    assert diff <= atol, f"max |w_accum - w_bigbatch| = {diff:.3g} > {atol:g}"
-    return diff
-
-
-def assert_trained(before, after, min_change: float = 1e-4) -> None:
-    """Guards equivalence tests against comparing two untouched models."""
-    change = max_abs_diff(before, after)
-    assert change > min_change, f"weights moved by only {change:.3g}"
 
 
 def assert_finite(values) -> None:
@@ -314,3 +272,12 @@ def unclipped_gap(make_optimizer: Callable, reference, x, y) -> float:
 
 
 _STRIPPED: dict = {}
+
+
+def assert_acted(make_optimizer: Callable, reference, failure: str) -> None:
+    """Non-vacuity of a clipping or EMA case: ``reference`` (trained on
+    ``classification_data()``) ends away from the big batch trained without
+    them; ``failure`` says what did not act."""
+    x, y = classification_data()
+    gap = report(unclipped_gap(make_optimizer, reference, x, y), "non-vacuity gap")
+    assert gap > 1e-3, f"{failure} ({gap:.3g})"
