@@ -26,16 +26,16 @@ from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumu
 
 def accumulate(
     model: keras.Model,
-    accum_steps: int = 1,
+    accum_steps: int = Settings.accum_steps,
     *,
-    micro_batch_size: int | None = None,
-    partial_cycle: str = "carry",
-    flush_at_end: bool = True,
+    micro_batch_size: int | None = Settings.micro_batch_size,
+    partial_cycle: str = Settings.partial_cycle,
+    flush_at_end: bool = Settings.flush_at_end,
     skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
-    progress_logs: bool = False,
-    use_agc: bool = False,
-    clip_factor: float = 0.01,
-    eps: float = 1e-3,
+    progress_logs: bool = Settings.progress_logs,
+    use_agc: bool = Settings.use_agc,
+    clip_factor: float = Settings.clip_factor,
+    eps: float = Settings.eps,
 ) -> keras.Model:
     """Makes ``model`` accumulate gradients, in place, keeping its class.
 

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
-from gradient_accumulator.core.settings import Settings
-
 # Below this gradient norm a unit is never scaled (avoids dividing by ~0).
 _MIN_GRAD_NORM = 1e-6
 
@@ -46,11 +44,16 @@ def unitwise_norm(x: tf.Tensor) -> tf.Tensor:
     return compute_norm(x, axis=axis, keepdims=True)
 
 
+# The clipping's defaults, also the accumulation settings' (core/settings.py).
+CLIP_FACTOR = 0.01
+EPS = 1e-3
+
+
 def adaptive_clip_grad(
     parameters: Sequence,
     gradients: Sequence,
-    clip_factor: float = Settings.clip_factor,
-    eps: float = Settings.eps,
+    clip_factor: float = CLIP_FACTOR,
+    eps: float = EPS,
 ) -> list:
     """Returns ``gradients`` clipped unit-wise relative to ``parameters``.
 

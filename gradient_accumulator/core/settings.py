@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
+from gradient_accumulator.core.agc import CLIP_FACTOR, EPS
 from gradient_accumulator.core.validation import (
     PARTIAL_CYCLE,
     check_accum_steps,
@@ -30,9 +30,6 @@ from gradient_accumulator.core.validation import (
     warn_unneeded,
 )
 
-if TYPE_CHECKING:
-    from gradient_accumulator.core.engine import Engine
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -42,8 +39,8 @@ class Settings:
 
     accum_steps: int = 1
     use_agc: bool = False
-    clip_factor: float = 0.01
-    eps: float = 1e-3
+    clip_factor: float = CLIP_FACTOR
+    eps: float = EPS
     micro_batch_size: int | None = None
     partial_cycle: str = "carry"
     flush_at_end: bool = True
@@ -61,14 +58,6 @@ class Settings:
         check_choice("partial_cycle", self.partial_cycle, PARTIAL_CYCLE)
         check_bool("flush_at_end", self.flush_at_end)
         check_bool("progress_logs", self.progress_logs)
-
-    def accumulator(self, engine: type[Engine] | None = None) -> Engine:
-        """A new, unbuilt ``engine`` (the host's kind of engine; by default
-        the core's) with these settings."""
-        if engine is None:
-            # Imported here: the engine's module imports this one.
-            from gradient_accumulator.core.engine import Engine as engine
-        return engine(self, name="accumulator")
 
     def saved(self) -> dict:
         """The settings a model's config holds."""

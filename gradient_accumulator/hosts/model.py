@@ -44,17 +44,17 @@ class ModelHost:
 
     def __init__(
         self,
-        accum_steps: int = 1,
+        accum_steps: int = Settings.accum_steps,
         mixed_precision: bool = False,
-        use_agc: bool = False,
-        clip_factor: float = 0.01,
-        eps: float = 1e-3,
+        use_agc: bool = Settings.use_agc,
+        clip_factor: float = Settings.clip_factor,
+        eps: float = Settings.eps,
         experimental_distributed_support: bool = False,
-        micro_batch_size: int | None = None,
-        partial_cycle: str = "carry",
-        flush_at_end: bool = True,
+        micro_batch_size: int | None = Settings.micro_batch_size,
+        partial_cycle: str = Settings.partial_cycle,
+        flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
-        progress_logs: bool = False,
+        progress_logs: bool = Settings.progress_logs,
         *args,
         **kwargs,
     ):
@@ -121,7 +121,9 @@ class ModelHost:
 
     def _hold_state(self, settings: Settings) -> None:
         self._setup = settings
-        self._accumulator = accumulator = settings.accumulator(self._flavour.engine)
+        self._accumulator = accumulator = self._flavour.engine(
+            settings, name="accumulator"
+        )
         self._flavour.own_state(self, "_accumulator", accumulator)
         # Whether the traced step is Keras' own (see _plan_step); None until
         # a train function is made for this compile().
