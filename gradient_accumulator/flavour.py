@@ -115,8 +115,8 @@ FLAVOUR = Flavour(
     gradient_scale=loss_scale.loss_scale,
     # --- batch norm
     batch_norm_options=_batch_norm_options,
-    layer_engine=lambda layer, accum_steps: Accumulator(
-        accum_steps, track=functools.partial(track_variable, layer), name="accumulator"
+    layer_engine=lambda layer, settings: Accumulator(
+        settings, track=functools.partial(track_variable, layer), name="accumulator"
     ),
     batch_norm_built=_no_change,
     unbiased_variance=lambda layer, rank: False,

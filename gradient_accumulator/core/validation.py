@@ -301,12 +301,11 @@ def take_optimizer_arguments(
 
 
 def check_batch_norm_arguments(
-    accum_steps, axis, momentum, epsilon, center, scale, kwargs: dict
+    axis, momentum, epsilon, center, scale, kwargs: dict
 ) -> None:
     """Checks an ``AccumBatchNormalization``'s own arguments (either
-    Keras'); takes the batch-renormalisation keywords out of ``kwargs``."""
-    if accum_steps is not None:
-        check_accum_steps(accum_steps)
+    Keras' but ``accum_steps``, which ``Settings`` checks); takes the
+    batch-renormalisation keywords out of ``kwargs``."""
     take_no_renorm(kwargs)
     if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
         raise TypeError(

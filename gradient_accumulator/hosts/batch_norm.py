@@ -24,6 +24,7 @@ from gradient_accumulator.core.batch_statistics import (
 )
 from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.links import Binding
+from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.core.validation import check_batch_norm_arguments
 from gradient_accumulator.hosts.flavour import Flavour
 
@@ -61,19 +62,16 @@ class AccumBatchNorm:
         axis, options = self._flavour.batch_norm_options(
             self, axis, synchronized, kwargs
         )
-        check_batch_norm_arguments(
-            accum_steps, axis, momentum, epsilon, center, scale, kwargs
-        )
+        # Standalone, omitting accum_steps means one call per cycle: exactly
+        # Keras' layer. A model it follows overrides the cycle anyway.
+        settings = Settings(accum_steps=1 if accum_steps is None else accum_steps)
+        check_batch_norm_arguments(axis, momentum, epsilon, center, scale, kwargs)
         # Keras' own arguments (all but accum_steps) pass on as given.
         shared = {name: given[name] for name in _KERAS_ARGUMENTS}
         super().__init__(**shared, axis=axis, **options, **kwargs)
         self._requested_accum_steps = accum_steps
         self._feature_axis = int(axis)
-        # Standalone, omitting accum_steps means one call per cycle: exactly
-        # Keras' layer. A model it follows overrides the cycle anyway.
-        self._accumulator = self._flavour.layer_engine(
-            self, 1 if accum_steps is None else accum_steps
-        )
+        self._accumulator = self._flavour.layer_engine(self, settings)
 
     # ----------------------------------------------------------------- config
     @property

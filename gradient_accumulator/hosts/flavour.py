@@ -47,9 +47,9 @@ class Flavour:
     # (layer, axis, synchronized, kwargs) -> (axis, the base class's keywords
     # beyond the shared ones); refuses or takes out of kwargs what it lacks.
     batch_norm_options: Callable[..., tuple[Any, dict]]
-    # (layer, accum_steps) -> an engine whose variables the layer tracks and
+    # (layer, Settings) -> an engine whose variables the layer tracks and
     # saves as its own weights.
-    layer_engine: Callable[[Any, int], Any]
+    layer_engine: Callable[[Any, Any], Any]
     # (layer, input rank): what a build adds to Keras' (tf-keras: any rank).
     batch_norm_built: Callable[[Any, int], None]
     # (layer, input rank) -> whether the moving variance takes the unbiased

@@ -40,8 +40,8 @@ class LayerEngine(Engine):
     """An engine whose variables are its layer's (non-trainable) weights, so
     the layer saves and restores them with its own."""
 
-    def __init__(self, layer, accum_steps: int):
-        super().__init__(accum_steps, name="accumulator")
+    def __init__(self, layer, settings: Settings):
+        super().__init__(settings, name="accumulator")
         self._layer = layer
 
     def _make_variable(self, name, shape, dtype, initializer, **kwargs):
