@@ -53,3 +53,19 @@ if not LEGACY_KERAS:
         keras.mixed_precision.set_global_policy("float32")
         yield
         keras.mixed_precision.set_global_policy("float32")
+
+
+# Module-, class- and package-scoped fixtures are built once per worker
+# process: ``.ci/run``'s ``--dist loadgroup`` spreads single tests over the
+# workers, so the tests using one stay together on one worker (one group per
+# file), and every other test goes wherever a worker is free.
+_SHARED_SCOPES = {"class", "module", "package"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        fixturedefs = getattr(item, "_fixtureinfo", None)
+        closure = fixturedefs.name2fixturedefs.values() if fixturedefs else ()
+        if any(d.scope in _SHARED_SCOPES for defs in closure for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
