@@ -65,7 +65,7 @@ _SHARED_SCOPES = {"class", "module", "package"}
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
     for item in items:
-        fixturedefs = getattr(item, "_fixtureinfo", None)
-        closure = fixturedefs.name2fixturedefs.values() if fixturedefs else ()
+        info = getattr(item, "_fixtureinfo", None)  # pytest's, for every test
+        closure = info.name2fixturedefs.values() if info else ()
         if any(d.scope in _SHARED_SCOPES for defs in closure for d in defs):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
