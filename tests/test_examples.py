@@ -100,6 +100,29 @@ def test_epoch_benchmark_quick_prints_table_and_targets():
     )
 
 
+def test_versions_benchmark_quick_compares_two_checkouts():
+    """benchmarks/versions.py times two checkouts (here this one twice, each
+    in its own worker) and prints one row per variant with both versions'
+    times, their ratio and each one's ratio to Keras' built-in."""
+    result = run_script(
+        "benchmarks/versions.py", "--quick", "--before", str(REPO), "--after", "."
+    )
+    assert result.returncode == 0, describe(result)
+    lines = result.stdout.splitlines()
+    package = str(REPO / "gradient_accumulator")
+    for version in ("before: ", "after:  "):
+        assert any(line.startswith(version + package) for line in lines), describe(
+            result
+        )
+    number = r"[0-9]+\.[0-9]+"
+    for variant in ("keras-builtin", "ours-model", "ours-in-step", "ours-optimizer"):
+        row = re.compile(
+            rf"^\| {variant} \| {number} \| {number} \| {number} "
+            rf"\| {number}-{number} \| {number} \| {number} \| {number} \|$"
+        )
+        assert any(row.match(line) for line in lines), describe(result)
+
+
 def test_step_ops_benchmark_quick_prints_its_tables():
     result = run_script("benchmarks/step_ops.py", "--quick", "--probes")
     assert result.returncode == 0, describe(result)
