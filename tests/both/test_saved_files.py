@@ -18,14 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-# Imported for what an importer of the package gets: its classes registered
-# with Keras' serialization, which load_model then finds by name.
-from gradient_accumulator import (  # noqa: F401
-    AccumBatchNormalization,
-    GradientAccumulateModel,
-    GradientAccumulateOptimizer,
-    accumulate,
-)
+# Only the package, as a user who loads a file has imported it: load_model
+# finds its classes by their registered names.
+import gradient_accumulator  # noqa: F401
 from tests.flavour import NAME, keras
 
 DATA = Path(__file__).resolve().parent.parent / "data"
@@ -33,8 +28,11 @@ VERSIONS = ["saved_91ba877"]
 CASES = ["model_bn", "accumulate", "optimizer"]
 K = 4  # accum_steps of every saved model
 B = 4  # micro-batch size
-# The same arithmetic on the same numbers: the weights must be the very same.
-ATOL = 0.0
+# The same arithmetic on the same numbers gives the very same weights (a
+# difference of 0 where the files were made); the margin is for the last bits
+# another CPU's kernels may round differently, far below the 1e-2 and more
+# that a lost pending state makes.
+ATOL = 1e-6
 
 
 def _pending(model) -> int:

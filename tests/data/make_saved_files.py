@@ -117,7 +117,7 @@ def fit(model, x, y) -> None:
 def repack(path: Path) -> None:
     """Deflates the members of a ``.keras`` zip, which Keras stores
     uncompressed (its weights file is mostly empty HDF5 space): the same
-    bytes inside, a fifth of the size in the repository."""
+    bytes inside, an eighth of the size in the repository."""
     with zipfile.ZipFile(path) as source:
         members = [(info.filename, source.read(info)) for info in source.infolist()]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as out:
