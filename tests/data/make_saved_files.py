@@ -6,12 +6,18 @@ Run by hand, not by pytest, once per Keras, with ``PYTHONPATH`` at a checkout
 of the version whose files you want (the files now here were made by commit
 91ba877, the version before the hosts were written once)::
 
-    git -C /work/main archive 91ba877 | tar -x -C /tmp/ga-91ba877
-    cd <repository root>
+    mkdir -p /tmp/ga-91ba877
+    git archive 91ba877 | tar -x -C /tmp/ga-91ba877
     CUDA_VISIBLE_DEVICES=-1 PYTHONPATH=/tmp/ga-91ba877 \\
-        .venv-ci/bin/python tests/data/make_saved_files.py saved_91ba877
+        .venv-ci-low/bin/python tests/data/make_saved_files.py saved_91ba877
     CUDA_VISIBLE_DEVICES=-1 PYTHONPATH=/tmp/ga-91ba877 TF_USE_LEGACY_KERAS=1 \\
-        .venv-ci-tfk/bin/python tests/data/make_saved_files.py saved_91ba877
+        .venv-ci-low/bin/python tests/data/make_saved_files.py saved_91ba877
+
+from the repository root, in the lowest pair's environment (``.ci/run``
+makes ``.venv-ci-low``: TensorFlow 2.16, Keras 3.15.0, tf-keras 2.16): Keras
+reads files of its own and earlier releases, not of later ones (tf-keras
+2.16 refuses a 2.21 file's ``InputLayer``), so files made there load in
+every environment CI tests. The numbers are the same in each (0 apart).
 
 Files go to ``tests/data/<name>/keras3/`` or ``.../tf_keras/``. For each
 case, a tiny model (seeded weights, seeded data) trains 6 micro-batches with
