@@ -190,12 +190,45 @@ def test_every_example_is_run_by_a_test_that_checks_its_verdict():
     line (``verdict(...)``): an example cannot end without one unnoticed."""
     checked = set()
     for path in (REPO / "tests").glob("test_*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                source = ast.unparse(node)
-                if "verdict(result)" in source:
-                    checked.update(re.findall(r"examples/(\w+\.py)", source))
+        for source in _tests_with_their_helpers(path):
+            if "verdict(result)" in source:
+                checked.update(re.findall(r"examples/(\w+\.py)", source))
     assert checked == {p.name for p in EXAMPLES}
+
+
+def _tests_with_their_helpers(path) -> list[str]:
+    """The source of each test function in ``path``, followed by the source
+    of each of the file's own functions it calls (a shared helper may run
+    the example and check its output for the test)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    sources = []
+    for name, node in functions.items():
+        if name.startswith("test_"):
+            called = {
+                c.func.id
+                for c in ast.walk(node)
+                if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+            }
+            helpers = [functions[n] for n in sorted(called) if n in functions]
+            sources.append("\n".join(ast.unparse(f) for f in [node, *helpers]))
+    return sources
+
+
+def test_the_example_scan_reads_the_helpers_a_test_calls(tmp_path):
+    """Non-vacuity: a test whose helper checks the verdict counts, a test
+    that checks nothing does not."""
+    path = tmp_path / "test_x.py"
+    # Spelled out of pieces, so that the scan of this file does not read this
+    # test as one that checks an example.
+    check, folder = "verdict" + "(result)", "exam" + "ples"
+    path.write_text(
+        f"def _run(s):\n    result = run_like_a_user(s)\n    {check}\n"
+        f"def test_a():\n    _run('{folder}/a.py')\n"
+        f"def test_b():\n    run_like_a_user('{folder}/b.py')\n"
+    )
+    sources = _tests_with_their_helpers(path)
+    assert [check in s for s in sources] == [True, False]
 
 
 def test_the_command_prints_no_tensorflow_log_lines():
@@ -225,13 +258,10 @@ def test_example_prints_no_tensorflow_log_lines(example):
 def test_every_example_run_is_checked_for_tensorflow_log_lines():
     """The examples left to tests/test_examples.py are run there like a user
     and their output checked."""
-    source = (REPO / "tests" / "test_examples.py").read_text(encoding="utf-8")
     checked = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            body = ast.unparse(node)
-            if "run_like_a_user(" in body and "assert_quiet(result)" in body:
-                checked.update(re.findall(r"examples/(\w+\.py)", body))
+    for body in _tests_with_their_helpers(REPO / "tests" / "test_examples.py"):
+        if "run_like_a_user(" in body and "assert_quiet(result)" in body:
+            checked.update(re.findall(r"examples/(\w+\.py)", body))
     assert checked == QUIET_IN_TEST_EXAMPLES
 
 
