@@ -62,10 +62,6 @@ def _clone_graph(model, clone_layer):
     return keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
 
 
-def _wrapper_settings(model) -> dict:
-    return {**model._settings(), "skip_update_fn": model._accumulator.skip_update_fn}
-
-
 # --- model host
 def _model_from_config(cls, config, custom_objects, from_config):
     """A model of class ``cls`` from its config (a functional one's holds
@@ -135,7 +131,6 @@ FLAVOUR = Flavour(
     # --- replace_batchnorm_layers
     graph_models=(keras.Sequential, Functional),
     clone_graph=_clone_graph,
-    wrapper_settings=_wrapper_settings,
     batch_norm_unsupported=("renorm",),
     batch_norm_config=lambda layer: {},
     # --- verify
@@ -149,6 +144,7 @@ FLAVOUR = Flavour(
     variable_name=lambda variable: variable.path.split("/")[-1],
     # --- model host
     engine=Accumulator,
+    model_state_key=None,  # the engine is a Keras saveable
     untracked=lambda model, fn: fn(),
     own_state=_no_change,
     disown_state=_no_change,

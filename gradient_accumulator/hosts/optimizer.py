@@ -2,12 +2,12 @@
 
 :class:`OptimizerHost` is the mixin under each Keras' public
 ``GradientAccumulateOptimizer`` (``gradient_accumulator/optimizer.py``,
-``gradient_accumulator/keras2/optimizer.py``), which sets ``_flavour``: what
-differs between the Kerases (which objects are optimizers, the engine's
-kind, the loss scaler's rules, saving) comes from that record's
-``# --- optimizer host`` fields. What a Keras' optimizer API alone has (Keras
-3's ``apply`` and ``scale_loss``, tf-keras' ``apply_gradients`` options)
-stays in its public class.
+``gradient_accumulator/keras2/optimizer.py``): what differs between the
+Kerases (which objects are optimizers, the engine's kind, the loss scaler's
+rules, saving) comes from the ``# --- optimizer host`` fields of the class's
+``_flavour`` (its Keras', see ``hosts.flavour.Flavoured``). What a Keras'
+optimizer API alone has (Keras 3's ``apply`` and ``scale_loss``, tf-keras'
+``apply_gradients`` options) stays in its public class.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gradient_accumulator.core.validation import (
     take_optimizer_arguments,
 )
 from gradient_accumulator.core.weighting import backward_share, optimizer_weight
-from gradient_accumulator.hosts.flavour import Flavour, flavour_of
+from gradient_accumulator.hosts.flavour import Flavoured, flavour_of
 
 NAME = "GradientAccumulateOptimizer"
 
@@ -36,11 +36,11 @@ def _no_scaler() -> None:
     return None
 
 
-class OptimizerHost:
+class OptimizerHost(Flavoured):
     """The optimizer wrapper's logic over a Keras' optimizer base class (see
     the public ``GradientAccumulateOptimizer`` for the arguments)."""
 
-    _flavour: Flavour
+    _serializable = True
 
     def __new__(cls, optimizer="SGD", *args, **kwargs):
         # The optimizer handed in decides which Keras's wrapper wraps it.
