@@ -23,6 +23,7 @@ from gradient_accumulator._keras_compat import (
 )
 from gradient_accumulator._which_keras import KERAS3
 from gradient_accumulator.core.validation import check_bool
+from gradient_accumulator.hosts import loss_scale as host_loss_scale
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.tracked_engine import Accumulator
 
@@ -106,9 +107,17 @@ FLAVOUR = Flavour(
     ),
     optimizer_config_extras=(),
     wrapping_loss_scaler=compat.wrapping_loss_scaler,
-    loss_scaling=loss_scale,
+    loss_scaler=keras.optimizers.LossScaleOptimizer,
+    cycle_loss_scaler=loss_scale.CycleLossScaleOptimizer,
+    loss_scaler_names=("GradientAccumulateOptimizer", "Keras"),
+    current_scale=lambda scaler: tf.convert_to_tensor(scaler.dynamic_scale),
+    # Keras' own rule, also for an optimizer's static loss_scale_factor.
+    scale_loss=lambda optimizer, loss: optimizer.scale_loss(loss),
+    dynamic_scale=lambda scaler: True,
+    cycle_scale_hooks=loss_scale.scale_hooks,
+    apply_reduced=loss_scale.apply_reduced,
     scaler_replaces_loss_scale_factor=True,
-    gradient_scale=loss_scale.loss_scale,
+    gradient_scale=lambda scaler: host_loss_scale.loss_scale(FLAVOUR, scaler),
     # --- batch norm
     batch_norm_options=_batch_norm_options,
     layer_engine=lambda layer, settings: Accumulator(

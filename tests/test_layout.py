@@ -25,7 +25,7 @@ LIMITS = {"module": 600, "class": 400, "function": 80}
 SHIMS = {"accumulators", "layers", "utils", "agc"}
 # Issue 32 asks for at most 10 %; 20 % (63 of 315 lines, from 51 %) is
 # where the hosts written once left it: a ratchet, lowered as the shells thin.
-FLAVOUR_REPEATS = 0.20
+FLAVOUR_REPEATS = 0.13
 
 
 def _sizes(path: Path) -> list[tuple[str, str, int]]:

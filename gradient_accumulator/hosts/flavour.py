@@ -113,10 +113,22 @@ class Flavour:
     optimizer_config_extras: tuple
     # The loss scaler around the wrapper, when called from its method.
     wrapping_loss_scaler: Callable
-    # The Keras' loss-scale module, the same functions in each: scaler_of,
-    # loss_scale, scale_loss, scale_hooks (the engine's), adopt and
-    # apply_gradients (which applies replica-summed gradients).
-    loss_scaling: ModuleType
+    # Loss scaling (hosts/loss_scale.py): the Keras' LossScaleOptimizer; the
+    # class (derived from the one it takes over) that a scaler wrapping an
+    # accumulating optimizer becomes, and the wrapper's and the Keras' names
+    # in adopt's message.
+    loss_scaler: type
+    cycle_loss_scaler: type
+    loss_scaler_names: tuple[str, str]
+    current_scale: Callable  # scaler -> its loss scale, a tensor
+    scale_loss: Callable  # (optimizer, loss) -> the loss as it scales it
+    dynamic_scale: Callable  # scaler -> whether its scale changes
+    # dynamic scaler -> the engine's (on_apply, on_skip), which keep its
+    # scale per cycle.
+    cycle_scale_hooks: Callable
+    # (optimizer, grads, variables): applies unscaled gradients already
+    # summed over replicas (replica context); never given a scaler.
+    apply_reduced: Callable
     # Whether an adopted scaler's dynamic scale replaces the wrapped
     # optimizer's static ``loss_scale_factor``.
     scaler_replaces_loss_scale_factor: bool

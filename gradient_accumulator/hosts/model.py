@@ -21,6 +21,7 @@ from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
+from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.flavour import Flavoured
 from gradient_accumulator.hosts.functional_variants import construct
 from gradient_accumulator.hosts.in_step import in_step_train_step
@@ -133,7 +134,7 @@ class ModelHost(Flavoured):
             Binding(
                 variables=lambda: self.trainable_variables,
                 apply_fn=lambda: self._apply_fn(self.trainable_variables),
-                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self.optimizer),
+                hooks=lambda: loss_scale.scale_hooks(self._flavour, self.optimizer),
                 strategy=lambda: self.distribute_strategy,
                 names=self._weight_names,
             )
@@ -357,7 +358,7 @@ class ModelHost(Flavoured):
         if tracker is not None:
             tracker.update_state(micro.loss, sample_weight=micro.samples)
         self._add_parts(micro)
-        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(self.optimizer)
+        on_apply, on_skip = loss_scale.scale_hooks(self._flavour, self.optimizer)
         accumulator.step(
             micro.grads,
             micro.variables,
@@ -396,8 +397,8 @@ class ModelHost(Flavoured):
         return {**logs, **self._accumulator.logs()}
 
     def _apply_fn(self, variables):
-        apply = self._flavour.loss_scaling.apply_gradients
-        return lambda grads: apply(self.optimizer, grads, variables)
+        flavour, apply = self._flavour, loss_scale.apply_gradients
+        return lambda grads: apply(flavour, self.optimizer, grads, variables)
 
 
 def _partial_cycles(keras) -> type:

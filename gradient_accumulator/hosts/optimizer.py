@@ -27,6 +27,7 @@ from gradient_accumulator.core.validation import (
     take_optimizer_arguments,
 )
 from gradient_accumulator.core.weighting import backward_share, optimizer_weight
+from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.flavour import Flavoured, flavour_of
 
 NAME = "GradientAccumulateOptimizer"
@@ -219,7 +220,7 @@ class OptimizerHost(Flavoured):
             Binding(
                 variables=lambda: variables,
                 apply_fn=lambda: self._apply_fn(variables),
-                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self._scaler()),
+                hooks=lambda: loss_scale.scale_hooks(self._flavour, self._scaler()),
                 **binding,
             )
         )
@@ -231,13 +232,14 @@ class OptimizerHost(Flavoured):
         # its dynamic scale replaces any static factor of the wrapped one.
         if scaler is None:
             return
-        self._flavour.loss_scaling.adopt(scaler)
+        loss_scale.adopt(self._flavour, scaler)
         if self._flavour.scaler_replaces_loss_scale_factor:
             self.inner_optimizer.loss_scale_factor = None
 
     def _apply_fn(self, variables):
         return functools.partial(
-            self._flavour.loss_scaling.apply_gradients,
+            loss_scale.apply_gradients,
+            self._flavour,
             self.inner_optimizer,
             variables=variables,
         )
@@ -259,7 +261,7 @@ class OptimizerHost(Flavoured):
             # Every replica holds the total already; the engine sums again.
             weight = 1.0 / replicas
         self._scaler = _no_scaler if scaler is None else weakref.ref(scaler)
-        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(scaler)
+        on_apply, on_skip = loss_scale.scale_hooks(self._flavour, scaler)
         self._accumulator.step(
             list(grads),
             variables,
