@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator import _callers
+from gradient_accumulator import _callers, _requirements
 from gradient_accumulator._backend import KERAS_SPEC
-from gradient_accumulator._requirements import private_names
 from gradient_accumulator.core._tf_compat import (
     distributed_container,
     keras_mask,
     on_device_or_primary,
 )
 
-with private_names(
+with _requirements.private_names(
     "Keras",
     f"keras {keras.__version__}",
     f"; supported: keras{KERAS_SPEC}, tested from its lower bound to the "

@@ -12,10 +12,9 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator import _callers
-from gradient_accumulator._requirements import private_names
+from gradient_accumulator import _callers, _requirements
 
-with private_names("tf-keras", f"tf-keras {tf_keras.__version__}"):
+with _requirements.private_names("tf-keras", f"tf-keras {tf_keras.__version__}"):
     from tf_keras.src.engine.functional import (
         Functional,
         get_network_config,
