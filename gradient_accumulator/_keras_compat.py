@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator import _callers
+from gradient_accumulator import _callers, _requirements
 from gradient_accumulator._backend import KERAS_SPEC
 from gradient_accumulator.core._tf_compat import (
     distributed_container,
@@ -18,7 +18,12 @@ from gradient_accumulator.core._tf_compat import (
     on_device_or_primary,
 )
 
-try:
+with _requirements.private_names(
+    "Keras",
+    f"keras {keras.__version__}",
+    f"; supported: keras{KERAS_SPEC}, tested from its lower bound to the "
+    "newest release CI saw",
+):
     from keras.src.layers.normalization.batch_normalization import (
         _clone_initializer as clone_initializer,
     )
@@ -27,12 +32,6 @@ try:
     from keras.src.models.model import functional_init_arguments
     from keras.src.saving.keras_saveable import KerasSaveable
     from keras.src.saving.object_registration import GLOBAL_CUSTOM_NAMES
-except ImportError as error:  # pragma: no cover - depends on the Keras release
-    raise ImportError(
-        f"gradient_accumulator needs private Keras names that keras "
-        f"{keras.__version__} does not have ({error}); supported: keras"
-        f"{KERAS_SPEC}, tested from its lower bound to the newest release CI saw."
-    ) from error
 
 __all__ = [
     "GLOBAL_CUSTOM_NAMES",

@@ -18,6 +18,7 @@ Keras 3, which TensorFlow may pull in but such a process never uses.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -216,3 +217,18 @@ def check_installed() -> None:
     message = check_versions(tf_version, keras_version)
     if message is not None:
         raise ImportError(message)
+
+
+@contextlib.contextmanager
+def private_names(names: str, installed: str, supported: str = ""):
+    """Turns the ImportError of a private name imported in its block (each
+    Keras' ``_compat`` module imports its own there) into one that names
+    whose names they are (``names``), the ``installed`` release and what
+    is ``supported``."""
+    try:
+        yield
+    except ImportError as error:  # pragma: no cover - depends on the release
+        raise ImportError(
+            f"gradient_accumulator needs private {names} names that "
+            f"{installed} does not have ({error}){supported}."
+        ) from error

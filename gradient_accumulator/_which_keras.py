@@ -9,7 +9,13 @@ TF_KERAS = "tf_keras"
 def keras_of(value) -> str | None:
     """:data:`KERAS3` or :data:`TF_KERAS` for an instance of a class from
     that Keras (or derived from one), else None."""
-    for klass in type(value).__mro__:
+    return keras_of_class(type(value))
+
+
+def keras_of_class(cls: type) -> str | None:
+    """:data:`KERAS3` or :data:`TF_KERAS` for a class from that Keras (or
+    derived from one), else None."""
+    for klass in cls.__mro__:
         package = klass.__module__.split(".")[0]
         if package in (KERAS3, TF_KERAS):
             return package

@@ -93,10 +93,7 @@ def accumulate(
     return in_place.start(FLAVOUR, model, lambda: Settings(**settings))
 
 
-@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class Accumulating(in_place.Loader):
     """Loads a model saved after :func:`accumulate`: rebuilds it with its own
     class's ``from_config``, then makes it accumulate with the saved
     settings (Keras then restores its weights and the pending state)."""
-
-    _flavour = FLAVOUR

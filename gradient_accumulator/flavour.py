@@ -23,6 +23,7 @@ from gradient_accumulator._keras_compat import (
 )
 from gradient_accumulator._which_keras import KERAS3
 from gradient_accumulator.core.validation import check_bool
+from gradient_accumulator.hosts import loss_scale as host_loss_scale
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.tracked_engine import Accumulator
 
@@ -60,10 +61,6 @@ def _no_change(*args) -> None:
 # --- replace_batchnorm_layers
 def _clone_graph(model, clone_layer):
     return keras.models.clone_model(model, clone_function=clone_layer, recursive=True)
-
-
-def _wrapper_settings(model) -> dict:
-    return {**model._settings(), "skip_update_fn": model._accumulator.skip_update_fn}
 
 
 # --- model host
@@ -110,9 +107,17 @@ FLAVOUR = Flavour(
     ),
     optimizer_config_extras=(),
     wrapping_loss_scaler=compat.wrapping_loss_scaler,
-    loss_scaling=loss_scale,
+    loss_scaler=keras.optimizers.LossScaleOptimizer,
+    cycle_loss_scaler=loss_scale.CycleLossScaleOptimizer,
+    loss_scaler_names=("GradientAccumulateOptimizer", "Keras"),
+    current_scale=lambda scaler: tf.convert_to_tensor(scaler.dynamic_scale),
+    # Keras' own rule, also for an optimizer's static loss_scale_factor.
+    scale_loss=lambda optimizer, loss: optimizer.scale_loss(loss),
+    dynamic_scale=lambda scaler: True,
+    cycle_scale_hooks=loss_scale.scale_hooks,
+    apply_reduced=loss_scale.apply_reduced,
     scaler_replaces_loss_scale_factor=True,
-    gradient_scale=loss_scale.loss_scale,
+    gradient_scale=lambda scaler: host_loss_scale.loss_scale(FLAVOUR, scaler),
     # --- batch norm
     batch_norm_options=_batch_norm_options,
     layer_engine=lambda layer, settings: Accumulator(
@@ -135,7 +140,6 @@ FLAVOUR = Flavour(
     # --- replace_batchnorm_layers
     graph_models=(keras.Sequential, Functional),
     clone_graph=_clone_graph,
-    wrapper_settings=_wrapper_settings,
     batch_norm_unsupported=("renorm",),
     batch_norm_config=lambda layer: {},
     # --- verify
@@ -149,6 +153,7 @@ FLAVOUR = Flavour(
     variable_name=lambda variable: variable.path.split("/")[-1],
     # --- model host
     engine=Accumulator,
+    model_state_key=None,  # the engine is a Keras saveable
     untracked=lambda model, fn: fn(),
     own_state=_no_change,
     disown_state=_no_change,

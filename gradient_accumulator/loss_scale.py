@@ -13,17 +13,19 @@ Two layouts reach here:
 
 * ``GradientAccumulateModel`` or ``GradientAccumulateOptimizer`` holding a
   ``LossScaleOptimizer``: the accumulating object sees the scaler directly
-  (:func:`scaler_of`).
+  (``hosts.loss_scale.scaler_of``).
 * ``LossScaleOptimizer(GradientAccumulateOptimizer(...))``, which
   ``compile`` builds under the ``"mixed_float16"`` policy: the scaler sits
-  *outside* the accumulating optimizer. See :func:`_apply` for how the
-  accumulating optimizer takes over the scaler's per-call role.
+  *outside* the accumulating optimizer. See :class:`CycleLossScaleOptimizer`
+  for how the accumulating optimizer takes over the scaler's per-call role.
+
+The rules both Kerases share are ``gradient_accumulator.hosts.loss_scale``'s;
+this module holds Keras 3's own, which its flavour's fields name.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
@@ -34,41 +36,21 @@ from gradient_accumulator.hosts import loss_scale as host
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 
-# ``scaler_of(optimizer)``: ``optimizer`` if it keeps a dynamic loss scale
-# (a LossScaleOptimizer), else None.
-scaler_of = functools.partial(host.scaler_of, LossScaleOptimizer)
 
-
-def loss_scale(optimizer) -> tf.Tensor | None:
-    """The dynamic loss scale of ``optimizer``, or None if it has none."""
-    if isinstance(optimizer, LossScaleOptimizer):
-        return tf.convert_to_tensor(optimizer.dynamic_scale)
-    return None
-
-
-def scale_loss(optimizer, loss):
-    """``loss`` multiplied by ``optimizer``'s loss scale (Keras' own rule)."""
-    return optimizer.scale_loss(loss)
-
-
-def apply_gradients(optimizer, grads: Sequence, variables: Sequence) -> None:
+def apply_reduced(optimizer, grads: Sequence, variables: Sequence) -> None:
     """Applies unscaled, accumulated, replica-summed ``grads`` (replica context)."""
-    optimizer = host.applying(LossScaleOptimizer, optimizer)
     with already_reduced(optimizer):
         optimizer.apply(list(grads), list(variables))
 
 
-def scale_hooks(
-    optimizer,
-) -> tuple[Callable[[], None] | None, Callable[[], None] | None]:
-    """``(on_apply, on_skip)`` engine hooks that keep a dynamic loss scale:
-    grow after ``dynamic_growth_steps`` finite updates, halve on overflow."""
-    if not isinstance(optimizer, LossScaleOptimizer):
-        return None, None
+def scale_hooks(scaler) -> tuple:
+    """``(on_apply, on_skip)`` engine hooks that keep a (dynamic) loss
+    scale: grow after ``dynamic_growth_steps`` finite updates, halve on
+    overflow."""
     return cycle_hooks(
-        optimizer.dynamic_scale,
-        optimizer.step_counter,
-        optimizer.dynamic_growth_steps,
+        scaler.dynamic_scale,
+        scaler.step_counter,
+        scaler.dynamic_growth_steps,
     )
 
 
@@ -85,9 +67,10 @@ def scale_hooks(
 # one wrapper instance (and no other LossScaleOptimizer in the process) is
 # given the class below, which hands ``apply`` (and, when the accumulating
 # optimizer keeps a scale of its own, ``scale_loss``) to the optimizer it
-# wraps. ``adopt`` is called when a LossScaleOptimizer wraps an accumulating
-# one (see GradientAccumulateOptimizer.loss_scale_factor), which covers every
-# way the wrapper comes to exist: ``compile``, explicit construction,
+# wraps. ``hosts.loss_scale.adopt`` is called when a LossScaleOptimizer
+# wraps an accumulating one (see GradientAccumulateOptimizer.loss_scale_factor),
+# which covers every way the wrapper comes to exist: ``compile``, explicit
+# construction,
 # ``load_model``, ``clone_model``. The class saves as Keras' own, so files
 # load without custom_objects.
 #
@@ -126,13 +109,3 @@ host.saves_as(CycleLossScaleOptimizer, LossScaleOptimizer)
 def keras_apply(scaler, grads, trainable_variables=None):
     """Keras' own per-call ``LossScaleOptimizer.apply``."""
     return LossScaleOptimizer.apply(scaler, grads, trainable_variables)
-
-
-# ``adopt(scaler)``: makes ``scaler``, a LossScaleOptimizer that wraps an
-# accumulating optimizer, hand whole cycles to it (this instance only).
-adopt = functools.partial(
-    host.adopt,
-    LossScaleOptimizer,
-    CycleLossScaleOptimizer,
-    ("GradientAccumulateOptimizer", "Keras"),
-)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import keras
 
 from gradient_accumulator._keras_compat import optimizer_built_variables
-from gradient_accumulator.flavour import FLAVOUR
+from gradient_accumulator.hosts.loss_scale import scaler_of
 from gradient_accumulator.hosts.optimizer import OptimizerHost
-from gradient_accumulator.loss_scale import keras_apply, scaler_of
+from gradient_accumulator.loss_scale import keras_apply
 
 
-@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that it updates once per ``accum_steps`` calls.
 
@@ -61,8 +60,6 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
     1
     """
 
-    _flavour = FLAVOUR
-
     def scale_loss(self, loss):
         loss = self.inner_optimizer.scale_loss(loss)
         if self._has_own_loss_scaler:
@@ -100,12 +97,15 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
         variables = self._prepare(trainable_variables)
         if not self._accumulates:
             return self.inner_optimizer.apply(list(grads), variables)
-        self._accumulate(grads, variables, scaler_of(self.inner_optimizer))
+        self._accumulate(
+            grads, variables, scaler_of(self._flavour, self.inner_optimizer)
+        )
 
     def _apply_with_loss_scaler(self, scaler, grads, trainable_variables=None):
         """``scaler.apply`` when ``scaler`` is a LossScaleOptimizer wrapping
-        this optimizer (see ``loss_scale._apply``): ``grads`` are scaled by
-        ``scaler``'s dynamic scale, which this cycle then owns."""
+        this optimizer (see ``loss_scale.CycleLossScaleOptimizer``):
+        ``grads`` are scaled by ``scaler``'s dynamic scale, which this cycle
+        then owns."""
         if self._has_own_loss_scaler:
             # The loss was scaled by our own scaler (``scaler.scale_loss``
             # passes through too): ``scaler`` is a shell added by compile().
@@ -117,7 +117,7 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
 
     @property
     def _has_own_loss_scaler(self) -> bool:
-        return scaler_of(self.inner_optimizer) is not None
+        return scaler_of(self._flavour, self.inner_optimizer) is not None
 
     def _prepare(self, trainable_variables) -> list:
         if trainable_variables is None:

@@ -26,7 +26,7 @@ from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.core.validation import check_batch_norm_arguments
-from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.flavour import Flavoured
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
 # layer does not implement (its moving statistics are not averages of batch
@@ -34,10 +34,10 @@ from gradient_accumulator.hosts.flavour import Flavour
 _RENORM_KEYS = ("renorm", "renorm_clipping", "renorm_momentum")
 
 
-class AccumBatchNorm:
+class AccumBatchNorm(Flavoured):
     """Mixin for a Keras' ``BatchNormalization``: see the public classes."""
 
-    _flavour: Flavour
+    _serializable = True
 
     def __init__(
         self,

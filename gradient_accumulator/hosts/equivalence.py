@@ -17,7 +17,11 @@ import numpy as np
 import tensorflow as tf
 
 from gradient_accumulator._which_keras import other_keras
-from gradient_accumulator.core.validation import check_accum_steps, check_positive_float
+from gradient_accumulator.core.validation import (
+    check_accum_steps,
+    check_keywords,
+    check_positive_float,
+)
 from gradient_accumulator.hosts.flavour import Flavour
 
 __all__ = ["LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
@@ -232,12 +236,7 @@ def run(
             f"have, pass `lambda: {flavour.name}.models.clone_model(model)` "
             "(and `loss=`, `optimizer=` if it is compiled)."
         )
-    unknown = sorted(set(options) - {f.name for f in fields(Options)})
-    if unknown:
-        raise TypeError(
-            f"verify() got unexpected keyword argument(s) {unknown}. Its "
-            f"options: {', '.join(f.name for f in fields(Options))}."
-        )
+    check_keywords("verify", options, tuple(f.name for f in fields(Options)), "options")
     checked = Options(**options)
     big = checked.micro_batch_size * checked.accum_steps
     needed = big * checked.steps

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
+from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of, keras_of_class
 
 # Where each Keras' flavour record and public classes live.
 _FLAVOUR_MODULES = {
@@ -79,8 +79,6 @@ class Flavour:
     # (model, clone_layer) -> a copy of a functional or Sequential model,
     # nested ones included, with clone_layer(layer) for every other layer.
     clone_graph: Callable
-    # model wrapper -> the keyword arguments that rebuild it with its settings
-    wrapper_settings: Callable[[Any], dict]
     # Options of its BatchNormalization that AccumBatchNormalization lacks
     # (refused when set), and the config a new layer gets beyond the old's.
     batch_norm_unsupported: tuple[str, ...]
@@ -115,10 +113,22 @@ class Flavour:
     optimizer_config_extras: tuple
     # The loss scaler around the wrapper, when called from its method.
     wrapping_loss_scaler: Callable
-    # The Keras' loss-scale module, the same functions in each: scaler_of,
-    # loss_scale, scale_loss, scale_hooks (the engine's), adopt and
-    # apply_gradients (which applies replica-summed gradients).
-    loss_scaling: ModuleType
+    # Loss scaling (hosts/loss_scale.py): the Keras' LossScaleOptimizer; the
+    # class (derived from the one it takes over) that a scaler wrapping an
+    # accumulating optimizer becomes, and the wrapper's and the Keras' names
+    # in adopt's message.
+    loss_scaler: type
+    cycle_loss_scaler: type
+    loss_scaler_names: tuple[str, str]
+    current_scale: Callable  # scaler -> its loss scale, a tensor
+    scale_loss: Callable  # (optimizer, loss) -> the loss as it scales it
+    dynamic_scale: Callable  # scaler -> whether its scale changes
+    # dynamic scaler -> the engine's (on_apply, on_skip), which keep its
+    # scale per cycle.
+    cycle_scale_hooks: Callable
+    # (optimizer, grads, variables): applies unscaled gradients already
+    # summed over replicas (replica context); never given a scaler.
+    apply_reduced: Callable
     # Whether an adopted scaler's dynamic scale replaces the wrapped
     # optimizer's static ``loss_scale_factor``.
     scaler_replaces_loss_scale_factor: bool
@@ -128,6 +138,9 @@ class Flavour:
     # --- model host (hosts/model.py, hosts/micro_batch.py, hosts/in_step.py)
     # Construction and saving.
     engine: type  # the engine class a model holds its state in
+    # The prefix of the engine's state's keys in the model's own entry of
+    # ``.keras`` files, or None where the engine saves itself (Keras 3).
+    model_state_key: str | None
     # (model, fn): fn(), without tracking the attributes it sets as the
     # model's (tf-keras would make the engine's variables model weights).
     untracked: Callable
@@ -180,7 +193,43 @@ class Flavour:
 
 def flavour_of(value) -> Flavour | None:
     """The flavour of the Keras ``value`` (an instance) belongs to, or None."""
-    keras = keras_of(value)
+    return _flavour(keras_of(value))
+
+
+def _flavour(keras: str | None) -> Flavour | None:
     if keras is None:
         return None
     return importlib.import_module(_FLAVOUR_MODULES[keras]).FLAVOUR
+
+
+def _class_flavour(cls: type) -> Flavour | None:
+    """The flavour of the Keras ``cls`` derives from; for a class of no
+    Keras base (``Accumulating``), of the public package it is defined in."""
+    keras = keras_of_class(cls)
+    if keras is None:
+        package = cls.__module__.rpartition(".")[0]
+        keras = next((k for k, p in _PUBLIC_PACKAGES.items() if p == package), None)
+    return _flavour(keras)
+
+
+class Flavoured:
+    """Base of the hosts: gives the public class of each Keras (the first
+    class derived from a host) ``_flavour``, the flavour of its Keras, and
+    registers it under ``gradient_accumulator>`` its name when the host is
+    ``_serializable``, as
+    ``keras.saving.register_keras_serializable(package="gradient_accumulator")``
+    would. Classes derived from a public class (a user's subclass, a
+    functional variant, an accumulating class) inherit its flavour and are
+    not registered."""
+
+    _flavour: Flavour | None = None
+    _serializable = False  # set by the hosts of classes saved files name
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls._flavour is not None:
+            return
+        cls._flavour = _class_flavour(cls)
+        if cls._serializable and cls._flavour is not None:
+            saving = cls._flavour.keras.saving
+            saving.register_keras_serializable(package="gradient_accumulator")(cls)

@@ -9,6 +9,7 @@ import functools
 import tensorflow as tf
 
 from gradient_accumulator.core.weighting import loss_share
+from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.micro_batch import batch_size, first
 
 
@@ -86,7 +87,7 @@ def _end_step(model, batch, loss_sum, denominator, present) -> None:
         tf.math.divide_no_nan(loss_sum, denominator), sample_weight=batch
     )
     variables = model.trainable_variables
-    on_apply, on_skip = model._flavour.loss_scaling.scale_hooks(model.optimizer)
+    on_apply, on_skip = loss_scale.scale_hooks(model._flavour, model.optimizer)
     model._accumulator.end_micro_step(
         variables,
         present,

@@ -17,6 +17,7 @@ from gradient_accumulator.core.split_gradients import (
     micro_batch_gradients as split_gradients,
 )
 from gradient_accumulator.core.weighting import at, denominators
+from gradient_accumulator.hosts import loss_scale
 
 
 class Micro(NamedTuple):
@@ -49,7 +50,7 @@ def micro_batch_gradients(
     # (the loss terms are known once the first compute_loss built them),
     # and so may an overflow under a loss scale (the plan's retry_scale).
     persistent = (
-        flavour.loss_scaling.scaler_of(model.optimizer) is not None
+        loss_scale.scaler_of(flavour, model.optimizer) is not None
         or len(flavour.loss_terms(model)) != 1
     )
     with tf.GradientTape(persistent=persistent) as tape:
@@ -75,7 +76,7 @@ def micro_batch_gradients(
                 drop = drop / plan.penalty_divisor
             loss = loss - drop
         objective = loss * tf.cast(plan.loss_weight, loss.dtype)
-        objective = flavour.loss_scaling.scale_loss(model.optimizer, objective)
+        objective = flavour.scale_loss(model.optimizer, objective)
     variables = model.trainable_variables
     groups = plan.groups
     if len(groups) > 1:
@@ -115,7 +116,7 @@ def _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples) -> Lo
         part = samples / tf.cast(step_samples, tf.float32)
     return loss_plan(
         groups_of(model, x, y_pred, sample_weight, opens_step),
-        scale=flavour.loss_scaling.loss_scale(model.optimizer),
+        scale=loss_scale.loss_scale(flavour, model.optimizer),
         overwrites=any(overwritten(v) for v in model.trainable_variables),
         cycle_length=model._accumulator.cycle_length,
         part=part,

@@ -1,8 +1,9 @@
 """The model wrapper, written once for Keras 3 and tf-keras: :class:`ModelHost`,
 the mixin under each Keras' public ``GradientAccumulateModel``.
 
-It imports no Keras: the public class names its Keras by ``_flavour`` (a
-``hosts.flavour.Flavour``). One micro-batch's forward and backward pass is
+It imports no Keras: the public class has its Keras' ``_flavour`` (a
+``hosts.flavour.Flavour``, see ``hosts.flavour.Flavoured``). One
+micro-batch's forward and backward pass is
 in ``hosts/micro_batch.py``, the in-step slices (Keras 3) in
 ``hosts/in_step.py``.
 """
@@ -20,7 +21,8 @@ from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
-from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts import loss_scale
+from gradient_accumulator.hosts.flavour import Flavoured
 from gradient_accumulator.hosts.functional_variants import construct
 from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import Micro, micro_batch_gradients
@@ -36,11 +38,11 @@ _functional_variants: dict[type, type] = {}
 _PARTIAL_CYCLES: dict = {}  # each Keras' fit callback (_partial_cycles)
 
 
-class ModelHost:
+class ModelHost(Flavoured):
     """What ``GradientAccumulateModel`` adds to a Keras ``Model``; see the
     public class of each Keras for its use."""
 
-    _flavour: Flavour  # set by the public class
+    _serializable = True
 
     def __init__(
         self,
@@ -132,7 +134,7 @@ class ModelHost:
             Binding(
                 variables=lambda: self.trainable_variables,
                 apply_fn=lambda: self._apply_fn(self.trainable_variables),
-                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self.optimizer),
+                hooks=lambda: loss_scale.scale_hooks(self._flavour, self.optimizer),
                 strategy=lambda: self.distribute_strategy,
                 names=self._weight_names,
             )
@@ -304,6 +306,29 @@ class ModelHost:
         config.update(self._settings())
         return config
 
+    # ``.keras`` files of a Keras that does not save the engine as its own
+    # object (``model_state_key``): the state rides in the model's own entry,
+    # under keys no layer weight has (a functional model has no weights of
+    # its own).
+    def save_own_variables(self, store) -> None:
+        super().save_own_variables(store)
+        prefix = self._flavour.model_state_key
+        if prefix is not None:
+            for key, variable in self._accumulator.state_items():
+                store[prefix + key] = variable.numpy()
+
+    def load_own_variables(self, store) -> None:
+        prefix = self._flavour.model_state_key
+        if prefix is None:
+            super().load_own_variables(store)
+            return
+        keys = list(store.keys())
+        state = {k[len(prefix) :]: store[k] for k in keys if k.startswith(prefix)}
+        super().load_own_variables(
+            {k: store[k] for k in keys if not k.startswith(prefix)}
+        )
+        self._accumulator.load_state(state)
+
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
@@ -333,7 +358,7 @@ class ModelHost:
         if tracker is not None:
             tracker.update_state(micro.loss, sample_weight=micro.samples)
         self._add_parts(micro)
-        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(self.optimizer)
+        on_apply, on_skip = loss_scale.scale_hooks(self._flavour, self.optimizer)
         accumulator.step(
             micro.grads,
             micro.variables,
@@ -372,8 +397,8 @@ class ModelHost:
         return {**logs, **self._accumulator.logs()}
 
     def _apply_fn(self, variables):
-        apply = self._flavour.loss_scaling.apply_gradients
-        return lambda grads: apply(self.optimizer, grads, variables)
+        flavour, apply = self._flavour, loss_scale.apply_gradients
+        return lambda grads: apply(flavour, self.optimizer, grads, variables)
 
 
 def _partial_cycles(keras) -> type:

@@ -2,12 +2,12 @@
 
 :class:`OptimizerHost` is the mixin under each Keras' public
 ``GradientAccumulateOptimizer`` (``gradient_accumulator/optimizer.py``,
-``gradient_accumulator/keras2/optimizer.py``), which sets ``_flavour``: what
-differs between the Kerases (which objects are optimizers, the engine's
-kind, the loss scaler's rules, saving) comes from that record's
-``# --- optimizer host`` fields. What a Keras' optimizer API alone has (Keras
-3's ``apply`` and ``scale_loss``, tf-keras' ``apply_gradients`` options)
-stays in its public class.
+``gradient_accumulator/keras2/optimizer.py``): what differs between the
+Kerases (which objects are optimizers, the engine's kind, the loss scaler's
+rules, saving) comes from the ``# --- optimizer host`` fields of the class's
+``_flavour`` (its Keras', see ``hosts.flavour.Flavoured``). What a Keras'
+optimizer API alone has (Keras 3's ``apply`` and ``scale_loss``, tf-keras'
+``apply_gradients`` options) stays in its public class.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from gradient_accumulator.core.validation import (
     take_optimizer_arguments,
 )
 from gradient_accumulator.core.weighting import backward_share, optimizer_weight
-from gradient_accumulator.hosts.flavour import Flavour, flavour_of
+from gradient_accumulator.hosts import loss_scale
+from gradient_accumulator.hosts.flavour import Flavoured, flavour_of
 
 NAME = "GradientAccumulateOptimizer"
 
@@ -36,11 +37,11 @@ def _no_scaler() -> None:
     return None
 
 
-class OptimizerHost:
+class OptimizerHost(Flavoured):
     """The optimizer wrapper's logic over a Keras' optimizer base class (see
     the public ``GradientAccumulateOptimizer`` for the arguments)."""
 
-    _flavour: Flavour
+    _serializable = True
 
     def __new__(cls, optimizer="SGD", *args, **kwargs):
         # The optimizer handed in decides which Keras's wrapper wraps it.
@@ -219,7 +220,7 @@ class OptimizerHost:
             Binding(
                 variables=lambda: variables,
                 apply_fn=lambda: self._apply_fn(variables),
-                hooks=lambda: self._flavour.loss_scaling.scale_hooks(self._scaler()),
+                hooks=lambda: loss_scale.scale_hooks(self._flavour, self._scaler()),
                 **binding,
             )
         )
@@ -231,13 +232,14 @@ class OptimizerHost:
         # its dynamic scale replaces any static factor of the wrapped one.
         if scaler is None:
             return
-        self._flavour.loss_scaling.adopt(scaler)
+        loss_scale.adopt(self._flavour, scaler)
         if self._flavour.scaler_replaces_loss_scale_factor:
             self.inner_optimizer.loss_scale_factor = None
 
     def _apply_fn(self, variables):
         return functools.partial(
-            self._flavour.loss_scaling.apply_gradients,
+            loss_scale.apply_gradients,
+            self._flavour,
             self.inner_optimizer,
             variables=variables,
         )
@@ -259,7 +261,7 @@ class OptimizerHost:
             # Every replica holds the total already; the engine sums again.
             weight = 1.0 / replicas
         self._scaler = _no_scaler if scaler is None else weakref.ref(scaler)
-        on_apply, on_skip = self._flavour.loss_scaling.scale_hooks(scaler)
+        on_apply, on_skip = loss_scale.scale_hooks(self._flavour, scaler)
         self._accumulator.step(
             list(grads),
             variables,

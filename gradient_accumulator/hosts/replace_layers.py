@@ -67,8 +67,10 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
 
     if isinstance(model, wrapper):
         functional = new_model
+        # Its settings, and the function a config leaves out.
+        settings = {**model._settings(), "skip_update_fn": model._setup.skip_update_fn}
         new_model = wrapper(
-            **flavour.wrapper_settings(model),
+            **settings,
             inputs=functional.inputs,
             outputs=functional.outputs,
             name=model.name,

@@ -1,7 +1,8 @@
 """The logic of the public cycle-control callbacks, ``AccumulationScheduler``
 and ``FlushPartialCycle``, written once for Keras 3 and tf-keras: each host
-Keras has thin subclasses that mix these into its ``Callback`` and name its
-flavour (``_flavour``), which gives its accumulating classes."""
+Keras has thin subclasses that mix these into its ``Callback``; their
+flavour (``_flavour``, see ``hosts.flavour.Flavoured``) gives its
+accumulating classes."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numbers
 from collections.abc import Callable, Mapping
 
 from gradient_accumulator.core.validation import check_accum_steps
-from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.flavour import Flavour, Flavoured
 
 
 def accumulating(model, flavour: Flavour):
@@ -32,10 +33,8 @@ def accumulating(model, flavour: Flavour):
     )
 
 
-class _Hosted:
+class _Hosted(Flavoured):
     """A callback that acts on the accumulation of ``self.model``."""
-
-    _flavour: Flavour
 
     def _target(self):
         return accumulating(self.model, self._flavour)

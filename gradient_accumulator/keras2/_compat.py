@@ -12,9 +12,9 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator import _callers
+from gradient_accumulator import _callers, _requirements
 
-try:
+with _requirements.private_names("tf-keras", f"tf-keras {tf_keras.__version__}"):
     from tf_keras.src.engine.functional import (
         Functional,
         get_network_config,
@@ -27,11 +27,6 @@ try:
     from tf_keras.src.saving.object_registration import (
         _GLOBAL_CUSTOM_NAMES as GLOBAL_CUSTOM_NAMES,
     )
-except ImportError as error:  # pragma: no cover - depends on the release
-    raise ImportError(
-        f"gradient_accumulator needs private tf-keras names that tf-keras "
-        f"{tf_keras.__version__} does not have ({error})."
-    ) from error
 
 __all__ = [
     "GLOBAL_CUSTOM_NAMES",

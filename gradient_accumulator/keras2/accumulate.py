@@ -9,6 +9,7 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.core.validation import check_keywords
 from gradient_accumulator.hosts import in_place
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 from gradient_accumulator.keras2.flavour import FLAVOUR, SETTINGS
@@ -46,26 +47,16 @@ def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
     >>> type(stop_accumulating(model)) is tf_keras.Sequential
     True
     """
-    unknown = sorted(set(settings) - set(SETTINGS))
-    if unknown:
-        hint = (
-            " (the in-step mode is not available for tf-keras)"
-            if "micro_batch_size" in unknown
-            else ""
-        )
-        raise TypeError(
-            f"accumulate() got unexpected keyword argument(s) {unknown}{hint}. "
-            f"Its settings: {', '.join(SETTINGS)}."
-        )
+    in_step = " (the in-step mode is not available for tf-keras)"
+    check_keywords(
+        "accumulate", settings, SETTINGS, "settings", {"micro_batch_size": in_step}
+    )
     return in_place.start(
         FLAVOUR, model, lambda: Settings(accum_steps=accum_steps, **settings)
     )
 
 
-@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class Accumulating(in_place.Loader):
     """Loads a tf-keras model saved after :func:`accumulate`: rebuilds it
     with its own class's ``from_config``, then makes it accumulate with the
     saved settings."""
-
-    _flavour = FLAVOUR

@@ -7,7 +7,6 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts import training_control
-from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
 class AccumulationScheduler(
@@ -40,8 +39,6 @@ class AccumulationScheduler(
     5
     """
 
-    _flavour = FLAVOUR
-
 
 class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback):
     """Flushes (``mode="flush"``) or drops (``mode="drop"``) an incomplete
@@ -50,5 +47,3 @@ class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback
     tf-keras ``GradientAccumulateOptimizer`` (the model wrapper has its
     ``partial_cycle`` argument). As the Keras 3 ``FlushPartialCycle``.
     """
-
-    _flavour = FLAVOUR

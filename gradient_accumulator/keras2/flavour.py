@@ -138,12 +138,6 @@ def _clone_graph(model, clone_layer):
     return tf_keras.models.clone_model(model, clone_function=clone)
 
 
-def _wrapper_settings(model) -> dict:
-    settings = {**model._setup.saved(), "skip_update_fn": model._setup.skip_update_fn}
-    settings.pop("micro_batch_size")  # not an argument of the tf-keras wrapper
-    return {**settings, "accum_steps": model.accum_steps}
-
-
 def _batch_norm_config(layer) -> dict:
     """What the new layer's config takes from ``layer`` beyond its config."""
     axis = layer.axis
@@ -217,7 +211,14 @@ FLAVOUR = Flavour(
     deserialize_optimizer=_deserialize_optimizer,
     optimizer_config_extras=("is_legacy_optimizer",),
     wrapping_loss_scaler=_compat.wrapping_loss_scaler,
-    loss_scaling=loss_scale,
+    loss_scaler=loss_scale.LossScaleOptimizer,
+    cycle_loss_scaler=loss_scale.CycleLossScaleOptimizer,
+    loss_scaler_names=("The tf-keras GradientAccumulateOptimizer", "tf-keras"),
+    current_scale=lambda scaler: scaler.loss_scale,
+    scale_loss=loss_scale.scaled_loss,
+    dynamic_scale=lambda scaler: scaler.dynamic,
+    cycle_scale_hooks=loss_scale.cycle_scale_hooks,
+    apply_reduced=loss_scale.apply_gradients,
     scaler_replaces_loss_scale_factor=False,
     gradient_scale=lambda scaler: None,
     # --- batch norm
@@ -238,7 +239,6 @@ FLAVOUR = Flavour(
     # --- replace_batchnorm_layers
     graph_models=(Functional,),  # Sequential models included
     clone_graph=_clone_graph,
-    wrapper_settings=_wrapper_settings,
     batch_norm_unsupported=(
         "renorm",
         "virtual_batch_size",
@@ -262,6 +262,7 @@ FLAVOUR = Flavour(
     variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
     # --- model host
     engine=Engine,
+    model_state_key="accumulator:",
     # The engine is not a layer attribute (its variables would join the
     # model's weights) but a checkpoint dependency of its own.
     untracked=_untracked,

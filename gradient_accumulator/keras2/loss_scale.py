@@ -2,14 +2,14 @@
 micro-batch's gradients are unscaled before they are added, the cycle is
 checked once, and the scale grows per finite update and halves per skipped
 cycle (``dynamic_scale.cycle_hooks``), in the scaler's own variables; a
-skipped cycle counts one iteration, as a skipped step does in tf-keras."""
+skipped cycle counts one iteration, as a skipped step does in tf-keras. The
+rules both Kerases share are ``gradient_accumulator.hosts.loss_scale``'s;
+this module holds tf-keras' own, which its flavour's fields name."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
@@ -28,40 +28,23 @@ from gradient_accumulator.keras2._compat import (
 LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
 
-# ``scaler_of(optimizer)``: ``optimizer`` if it is a LossScaleOptimizer,
-# else None.
-scaler_of = functools.partial(host.scaler_of, LossScaleOptimizer)
-
-
-def loss_scale(optimizer) -> tf.Tensor | None:
-    """The loss scale of ``optimizer``, or None if it has none."""
-    scaler = scaler_of(optimizer)
-    return None if scaler is None else scaler.loss_scale
-
-
-def scale_loss(optimizer, loss):
+def scaled_loss(optimizer, loss):
     """``loss`` multiplied by ``optimizer``'s loss scale, if it has one."""
-    scaler = scaler_of(optimizer)
-    return loss if scaler is None else scaler.get_scaled_loss(loss)
+    has_scale = isinstance(optimizer, LossScaleOptimizer)
+    return optimizer.get_scaled_loss(loss) if has_scale else loss
 
 
 def apply_gradients(optimizer, grads: Sequence, variables: Sequence):
     """Applies unscaled gradients already summed over replicas (replica
-    context): a ``LossScaleOptimizer``'s checks are the engine's, so its
-    inner optimizer applies them."""
-    optimizer = host.applying(LossScaleOptimizer, optimizer)
+    context) with ``optimizer``, current or legacy."""
     pairs = list(zip(grads, variables))
     if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
         return optimizer.apply_gradients(pairs, experimental_aggregate_gradients=False)
     return optimizer.apply_gradients(pairs, skip_gradients_aggregation=True)
 
 
-def scale_hooks(optimizer):
-    """The engine's ``(on_apply, on_skip)`` for a dynamic scale, else
-    ``(None, None)``."""
-    scaler = scaler_of(optimizer)
-    if scaler is None or not scaler.dynamic:
-        return None, None
+def cycle_scale_hooks(scaler):
+    """The engine's ``(on_apply, on_skip)`` for ``scaler``'s dynamic scale."""
     # tf-keras never lowers its scale below 1.
     on_apply, halve = cycle_hooks(
         loss_scale_variable(scaler),
@@ -86,8 +69,9 @@ def scale_hooks(optimizer):
 # per micro-batch, and all-reduces every micro-batch's gradients. That one
 # instance is given the class below, which hands ``apply_gradients`` (with
 # the unscaled gradients) to the optimizer it wraps, so the cycle is checked
-# and counted once (``adopt``, called when the wrapper sees the scaler: from
-# its ``build`` or ``compute_gradients``). It saves as tf-keras' own class.
+# and counted once (``hosts.loss_scale.adopt``, called when the wrapper sees
+# the scaler: from its ``build`` or ``compute_gradients``). It saves as
+# tf-keras' own class.
 class CycleLossScaleOptimizer(LossScaleOptimizerV3):
     """tf-keras' LossScaleOptimizer around an accumulating optimizer: the
     scale is checked, skipped and grown per cycle by the optimizer it wraps."""
@@ -101,12 +85,3 @@ class CycleLossScaleOptimizer(LossScaleOptimizerV3):
 
 
 host.saves_as(CycleLossScaleOptimizer, LossScaleOptimizerV3)
-
-# ``adopt(scaler)``: makes ``scaler``, a LossScaleOptimizer around an
-# accumulating optimizer, hand whole cycles to it (this instance only).
-adopt = functools.partial(
-    host.adopt,
-    LossScaleOptimizerV3,
-    CycleLossScaleOptimizer,
-    ("The tf-keras GradientAccumulateOptimizer", "tf-keras"),
-)

@@ -6,10 +6,8 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts.model import ModelHost
-from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
-@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateModel(ModelHost, tf_keras.Model):
     """A tf-keras model that applies one optimizer update per
     ``accum_steps`` micro-batches, with the gradient of the concatenated big
@@ -41,30 +39,9 @@ class GradientAccumulateModel(ModelHost, tf_keras.Model):
     1
     """
 
-    _flavour = FLAVOUR
-
-    # ``.keras`` files: the state rides in the model's own entry, under keys
-    # no layer weight has (a functional model has no weights of its own).
-    def save_own_variables(self, store) -> None:
-        super().save_own_variables(store)
-        for key, variable in self._accumulator.state_items():
-            store[_STATE_KEY + key] = variable.numpy()
-
-    def load_own_variables(self, store) -> None:
-        keys = list(store.keys())
-        state = {
-            k[len(_STATE_KEY) :]: store[k] for k in keys if k.startswith(_STATE_KEY)
-        }
-        super().load_own_variables(
-            {k: store[k] for k in keys if not k.startswith(_STATE_KEY)}
-        )
-        self._accumulator.load_state(state)
-
 
 # ``.h5`` files name a model by its bare class name (``.keras`` files by the
 # registered one): loading them needs no custom_objects either.
 tf_keras.utils.get_custom_objects()[GradientAccumulateModel.__name__] = (
     GradientAccumulateModel
 )
-
-_STATE_KEY = "accumulator:"
