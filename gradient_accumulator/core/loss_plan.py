@@ -54,6 +54,7 @@ def loss_plan(
     penalty: bool = False,
     replicas: int = 1,
     means_divided: bool = False,
+    own: bool = False,
 ) -> LossPlan:
     """The :class:`LossPlan` of a micro-batch whose loss terms form
     ``groups`` (``weighting.denominators``, as the host's Keras reduces).
@@ -73,16 +74,20 @@ def loss_plan(
     its denominator and a summed one counts ``1 / replicas`` per replica.
     Otherwise (Keras 3) the host undid Keras' division of the whole loss
     before (``unscale_loss_for_distribution``), and the groups stand.
+
+    ``own``: the loss is the model's own (no compiled loss term), whole on
+    each replica's samples: a summed group counts ``1 / replicas`` per
+    replica, a mean group stands, a penalty in it is kept as it is.
     """
     first = groups[0]
     drops = None
-    if penalty and first.sums:
+    if penalty and first.sums and not own:
         # A summed loss adds the penalty once per big batch: only the
         # micro-batch that opens the cycle (count > 0) keeps it (the
         # weights, hence the penalty, are the same all cycle).
         drops = tf.logical_not(first.count > 0)
-    if means_divided:
-        groups = [_per_replica(group, replicas) for group in groups]
+    if means_divided or own:
+        groups = [_per_replica(g, replicas, own) for g in groups]
     float8 = overwrites and len(groups) == 1
     if scale is not None and not float8:
         # A micro-batch's mean loss gives each of its samples about
@@ -121,7 +126,9 @@ def loss_plan(
     )
 
 
-def _per_replica(group: Denominator, replicas: int) -> Denominator:
+def _per_replica(group: Denominator, replicas: int, own: bool) -> Denominator:
     if group.sums:
         return dataclasses.replace(group, count=group.count / replicas)
+    if own:  # not divided by the replicas
+        return group
     return dataclasses.replace(group, weight=tf.stop_gradient(group.weight) * replicas)
