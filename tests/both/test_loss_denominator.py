@@ -29,7 +29,6 @@ N, B, K = 16, 4, 2  # 16 samples, micro-batches of 4, updates of 8: 2 updates
 LR = 0.1
 UNSET = object()  # loss_denominator not given
 MODES = ["streaming"] if LEGACY_KERAS else ["streaming", "in_step"]
-F16_ATOL = 1e-4  # tests/test_mixed_precision.py's bound against the mixed big batch
 register = functools.partial(
     keras.saving.register_keras_serializable, package="tests_loss_denominator"
 )
@@ -116,6 +115,18 @@ def _settings(mode, declared, replicas=1):
     return {**settings, "micro_batch_size": B // replicas}, B * K
 
 
+def _sgd(policy: str):
+    """SGD, under mixed_float16 in a LossScaleOptimizer of a moderate initial
+    scale (Keras' 2**15 overflows the sum's first steps, which both runs
+    would skip)."""
+    sgd = keras.optimizers.SGD(LR)
+    if policy == "float32":
+        return sgd
+    if LEGACY_KERAS:
+        return keras.mixed_precision.LossScaleOptimizer(sgd, initial_scale=2.0**7)
+    return keras.optimizers.LossScaleOptimizer(sgd, initial_scale=2.0**7)
+
+
 @functools.cache
 def _reference(name: str, policy: str = "float32") -> tuple:
     """(initial, trained) weights of plain Keras on the big batch."""
@@ -123,24 +134,25 @@ def _reference(name: str, policy: str = "float32") -> tuple:
     try:
         plain = _build(CASES[name][0])
         initial = utils.weights(plain)
-        plain.compile(optimizer=keras.optimizers.SGD(LR))
+        plain.compile(optimizer=_sgd(policy))
         utils.fit(plain, *_data(), B * K)
         return initial, utils.weights(plain)
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
 
-def _gap(name, mode, declared=UNSET, strategy=None, policy="float32"):
+def _gap(name, mode, declared=UNSET, strategy=None, policy="float32", to=None):
     """max |w_accum - w_bigbatch| of the own loss ``name`` made accumulating
-    with ``loss_denominator=declared`` (under ``strategy``, ``policy``)."""
-    initial, reference = _reference(name, policy)
+    with ``loss_denominator=declared`` (under ``strategy``, ``policy``),
+    from the big batch under the same policy (or ``to``'s)."""
+    initial, reference = _reference(name, to or policy)
     replicas = strategy.num_replicas_in_sync if strategy else 1
     settings, batch = _settings(mode, declared, replicas)
     keras.mixed_precision.set_global_policy(policy)
     try:
         with strategy.scope() if strategy else contextlib.nullcontext():
             model = accumulate(_build(CASES[name][0]), **settings)
-            model.compile(optimizer=keras.optimizers.SGD(LR))
+            model.compile(optimizer=_sgd(policy))
         assert utils.max_abs_diff(initial, utils.weights(model)) == 0.0
         utils.fit(model, *_data(), batch)
     finally:
@@ -230,14 +242,25 @@ def test_declared_own_loss_under_mirrored_strategy_matches_big_batch():
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_declared_own_loss_under_mixed_float16_matches_mixed_big_batch(mode):
-    """Both runs mixed_float16 (compile wraps SGD in a LossScaleOptimizer):
-    the sum is not scaled down before its backward pass, the entry mean is
-    weighed by its count on its unscaled gradients."""
+def test_declared_own_loss_under_mixed_float16_is_as_close_as_keras_mixed(mode):
+    """Under a loss scale the sum is not scaled down before its backward
+    pass, and the entry mean is weighed by its count on its unscaled
+    gradients. Float16 rounds the gradients' sums over samples (the big
+    batch's over 8, ours over 4), so the bound is tests/test_mixed_precision.py's:
+    no further from float32 than plain Keras mixed is, within a factor 2."""
     for name in ("sum", "entries"):
-        gap = _gap(name, mode, CASES[name][1], policy="mixed_float16")
-        utils.report(gap, f"mixed_float16 {name} {mode}")
-        assert gap <= F16_ATOL, (name, gap)
+        keras_mixed = utils.max_abs_diff(
+            _reference(name, "mixed_float16")[1], _reference(name)[1]
+        )
+        assert 0 < keras_mixed < 1e-2
+        declared = CASES[name][1]
+        for to in ("mixed_float16", "float32"):
+            gap = _gap(name, mode, declared, policy="mixed_float16", to=to)
+            utils.report(
+                gap,
+                f"mixed_float16 {name} {mode} to {to} (Keras mixed: {keras_mixed:.2g})",
+            )
+            assert gap <= 2 * keras_mixed, (name, to, gap, keras_mixed)
 
 
 # ------------------------------------------------- arguments and saving
