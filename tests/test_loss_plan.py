@@ -120,20 +120,21 @@ def test_tf_keras_convention_weighs_means_and_counts_sums_per_replica():
     assert bool(later.drops_penalty) and float(later.groups[0].count) == 0.0
 
 
-def test_own_loss_convention_counts_sums_per_replica_and_keeps_penalties():
-    """A model's own loss (``loss_denominator``) is whole on each replica,
-    in either Keras: a mean group stands, a summed one counts ``1 /
-    replicas`` per replica, and a penalty in it is the loss's own."""
+def test_own_loss_keeps_its_penalty_and_follows_the_replica_convention():
+    """A model's own loss (``loss_denominator``): a penalty in it is the
+    loss's own (never dropped), and its groups follow the same replica
+    convention as compiled terms of the same reduction."""
     for divided in (False, True):
-        mean = loss_plan([_mean(4.0)], replicas=2, means_divided=divided, own=True)
-        assert float(mean.loss_weight) == 4.0 and float(mean.groups[0].count) == 4.0
-        summed = loss_plan(
-            [_sum(False)], replicas=4, means_divided=divided, penalty=True, own=True
-        )
-        assert float(summed.groups[0].weight) == 1.0
-        assert float(summed.groups[0].count) == 0.0
-        assert summed.drops_penalty is None
-    opening = loss_plan([_sum()], replicas=4, own=True)
+        for own in (False, True):
+            summed = loss_plan(
+                [_sum(False)], replicas=4, means_divided=divided, penalty=True, own=own
+            )
+            assert (summed.drops_penalty is None) == own
+            mean = loss_plan([_mean(4.0)], replicas=2, means_divided=divided, own=own)
+            # tf-keras divided the mean by the replicas: it weighs 2 x 4.
+            assert float(mean.loss_weight) == (8.0 if divided else 4.0)
+            assert float(mean.groups[0].count) == 4.0
+    opening = loss_plan([_sum()], replicas=4, means_divided=True, own=True)
     assert float(opening.groups[0].count) == 0.25
 
 

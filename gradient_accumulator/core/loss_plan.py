@@ -75,9 +75,10 @@ def loss_plan(
     Otherwise (Keras 3) the host undid Keras' division of the whole loss
     before (``unscale_loss_for_distribution``), and the groups stand.
 
-    ``own``: the loss is the model's own (no compiled loss term), whole on
-    each replica's samples: a summed group counts ``1 / replicas`` per
-    replica, a mean group stands, a penalty in it is kept as it is.
+    ``own``: the loss is the model's own (no compiled loss term): a
+    penalty in it is the loss's own, kept as it is. Under a strategy it
+    follows Keras' convention, as the compiled terms do (see
+    ``hosts/micro_batch.py``).
     """
     first = groups[0]
     drops = None
@@ -86,8 +87,8 @@ def loss_plan(
         # micro-batch that opens the cycle (count > 0) keeps it (the
         # weights, hence the penalty, are the same all cycle).
         drops = tf.logical_not(first.count > 0)
-    if means_divided or own:
-        groups = [_per_replica(g, replicas, own) for g in groups]
+    if means_divided:
+        groups = [_per_replica(group, replicas) for group in groups]
     float8 = overwrites and len(groups) == 1
     if scale is not None and not float8:
         # A micro-batch's mean loss gives each of its samples about
@@ -126,9 +127,7 @@ def loss_plan(
     )
 
 
-def _per_replica(group: Denominator, replicas: int, own: bool) -> Denominator:
+def _per_replica(group: Denominator, replicas: int) -> Denominator:
     if group.sums:
         return dataclasses.replace(group, count=group.count / replicas)
-    if own:  # not divided by the replicas
-        return group
     return dataclasses.replace(group, weight=tf.stop_gradient(group.weight) * replicas)

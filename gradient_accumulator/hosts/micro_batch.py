@@ -67,7 +67,11 @@ def micro_batch_gradients(
         outputs = y_pred if flavour.guards_empty_masks else _dividable(y_pred)
         loss = flavour.compute_loss(model, x, y, outputs, sample_weight)
         own = not flavour.loss_terms(model)
-        loss = _whole_own_loss(model, loss) if own else flavour.whole_loss(loss)
+        # A model's own loss follows Keras' convention under a strategy, as
+        # Keras' losses do and plain Keras needs: a mean is this replica's
+        # share (divided by the replica count), a sum is whole. It is then
+        # weighed exactly as a compiled term of that reduction.
+        loss = flavour.whole_loss(loss)
         data = (x, y, sample_weight)
         plan = _plan(model, data, y_pred, loss, own, opens_step, step_samples)
         if plan.drops_penalty is not None:
@@ -113,16 +117,6 @@ def micro_batch_gradients(
 def computes_own_loss(model) -> bool:
     """Whether ``model``'s class overrides Keras' ``compute_loss``."""
     return type(model).compute_loss is not model._flavour.keras.Model.compute_loss
-
-
-def _whole_own_loss(model, loss):
-    """A loss of no compiled term as on one device: a model's own
-    ``compute_loss`` is its value on the replica's samples; Keras' (only
-    the added losses, ``add_loss`` and regularisers) is divided by the
-    replica count, which is undone."""
-    if computes_own_loss(model):
-        return loss
-    return loss * tf.cast(model._flavour.replicas(model), loss.dtype)
 
 
 def _plan(model, data, y_pred, loss, own, opens_step, step_samples) -> LossPlan:

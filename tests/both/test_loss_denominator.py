@@ -38,6 +38,13 @@ def _squares(y, y_pred):
     return tf.square(tf.cast(y_pred, tf.float32) - tf.cast(y, tf.float32))
 
 
+def _replica_share(mean):
+    """A mean as Keras' losses return it under a strategy (and plain Keras
+    needs it): this replica's share, divided by the replica count."""
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    return mean / tf.cast(replicas, mean.dtype)
+
+
 def _selected(y):
     return tf.cast(tf.not_equal(y, 0), tf.float32)
 
@@ -70,7 +77,7 @@ class EntryMean(_OwnLoss):
     def own_loss(self, y, y_pred):
         mask = _selected(y)
         total = tf.reduce_sum(_squares(y, y_pred) * mask)
-        return tf.math.divide_no_nan(total, tf.reduce_sum(mask))
+        return _replica_share(tf.math.divide_no_nan(total, tf.reduce_sum(mask)))
 
 
 @register()
@@ -78,7 +85,9 @@ class SampleMean(_OwnLoss):
     """Summed squared errors of each sample, averaged over the samples."""
 
     def own_loss(self, y, y_pred):
-        return tf.reduce_mean(tf.reduce_sum(_squares(y, y_pred), axis=-1))
+        return _replica_share(
+            tf.reduce_mean(tf.reduce_sum(_squares(y, y_pred), axis=-1))
+        )
 
 
 class Compiled(keras.Model):
@@ -215,7 +224,8 @@ def test_no_warning_when_declared_or_compiled():
 def _mirrored_gaps() -> dict:
     """Each declared own loss and mode under MirroredStrategy over two
     logical CPUs (configured before TensorFlow starts), against plain Keras
-    on one device: each replica counts its own samples or entries."""
+    on one device: each replica counts its own samples or entries (the
+    means divided by the replica count, as Keras' losses are)."""
     strategy = tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"], cross_device_ops=tf.distribute.ReductionToOneDevice()
     )
