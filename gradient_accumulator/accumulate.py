@@ -36,6 +36,7 @@ def accumulate(
     use_agc: bool = Settings.use_agc,
     clip_factor: float = Settings.clip_factor,
     eps: float = Settings.eps,
+    loss_denominator: str | Callable | None = Settings.loss_denominator,
 ) -> keras.Model:
     """Makes ``model`` accumulate gradients, in place, keeping its class.
 
@@ -68,6 +69,10 @@ def accumulate(
         use_agc: adaptive gradient clipping of the accumulated gradient.
         clip_factor: its clipping factor (``> 0``).
         eps: its epsilon (``> 0``).
+        loss_denominator: what the model's own ``compute_loss`` divides a
+            batch by, when it is compiled without a loss: ``"samples"``,
+            ``"sum"`` or a function ``f(x, y, sample_weight)`` (``None``:
+            ``"samples"``, with a warning if ``compute_loss`` is overridden).
 
     Returns:
         ``model`` itself.

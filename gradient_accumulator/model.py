@@ -64,6 +64,19 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
             step is one micro-step of the cycle (one update with the default
             ``accum_steps=1``) while memory holds one slice's activations.
             Exact like the streaming mode: the gradient is the whole batch's.
+        loss_denominator: what the model's own ``compute_loss`` (a model
+            compiled without a loss) divides a batch's loss by, which the
+            package cannot read: ``"samples"`` (a mean over samples),
+            ``"sum"`` (not divided), or a function ``f(x, y, sample_weight)``
+            returning it as a scalar tensor (e.g. the number of unmasked
+            tokens). Each micro-batch is then weighed by its own count and
+            the cycle divided by the cycle's total, as for a compiled loss.
+            ``None`` (default): not declared, taken as ``"samples"``, with
+            one warning when the model overrides ``compute_loss``. A
+            compiled loss's reduction says it instead (setting both is an
+            error). Saved in ``.keras`` files (a function as Keras saves a
+            custom loss function: register it, or pass it in
+            ``custom_objects``).
         *args: passed to ``keras.Model``.
         **kwargs: passed to ``keras.Model`` (``inputs``, ``outputs``,
             ``name``, ...).

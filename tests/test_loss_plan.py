@@ -2,14 +2,14 @@
 host weights, scales and unscales a micro-batch's loss, on exact small
 numbers (eager, no Keras): the weight in the loss or on the gradients,
 the backward share and unscaling under a loss scale, float8, several
-denominators, the regularisation penalty of a summed loss, and the two
-replica conventions."""
+denominators, the regularisation penalty of a summed loss, and the
+replica conventions (each Keras', and a model's own loss)."""
 
 import pytest
 import tensorflow as tf
 
 from gradient_accumulator.core.loss_plan import LossPlan, loss_plan
-from gradient_accumulator.core.weighting import Denominator
+from gradient_accumulator.core.weighting import Denominator, own_denominator
 
 
 def _mean(weight=4.0, count=None, terms=(0,)):
@@ -118,6 +118,39 @@ def test_tf_keras_convention_weighs_means_and_counts_sums_per_replica():
     # The penalty is decided from the count before the division.
     later = loss_plan([_sum(False)], replicas=4, means_divided=True, penalty=True)
     assert bool(later.drops_penalty) and float(later.groups[0].count) == 0.0
+
+
+def test_own_loss_keeps_its_penalty_and_follows_the_replica_convention():
+    """A model's own loss (``loss_denominator``): a penalty in it is the
+    loss's own (never dropped), and its groups follow the same replica
+    convention as compiled terms of the same reduction."""
+    for divided in (False, True):
+        for own in (False, True):
+            summed = loss_plan(
+                [_sum(False)], replicas=4, means_divided=divided, penalty=True, own=own
+            )
+            assert (summed.drops_penalty is None) == own
+            mean = loss_plan([_mean(4.0)], replicas=2, means_divided=divided, own=own)
+            # tf-keras divided the mean by the replicas: it weighs 2 x 4.
+            assert float(mean.loss_weight) == (8.0 if divided else 4.0)
+            assert float(mean.groups[0].count) == 4.0
+    opening = loss_plan([_sum()], replicas=4, means_divided=True, own=True)
+    assert float(opening.groups[0].count) == 0.25
+
+
+def test_own_denominator_reads_the_declaration():
+    """``weighting.own_denominator``: what a model's own loss groups as."""
+    opens = lambda: tf.constant(True)  # noqa: E731
+    batch = tf.constant(8.0)
+    for declared in (None, "samples"):
+        group = own_denominator(declared, batch, opens)
+        assert (float(group.weight), float(group.count), group.sums) == (8, 8, False)
+    summed = own_denominator("sum", batch, opens)
+    assert (float(summed.weight), float(summed.count), summed.sums) == (1, 1, True)
+    counted = own_denominator(tf.constant(5), batch, opens)  # a function's value
+    assert (float(counted.weight), float(counted.count)) == (5.0, 5.0)
+    with pytest.raises(ValueError, match="loss_denominator` must return a scalar"):
+        own_denominator(tf.ones([2]), batch, opens)
 
 
 def test_the_plan_is_a_frozen_record():

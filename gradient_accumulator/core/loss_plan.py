@@ -54,6 +54,7 @@ def loss_plan(
     penalty: bool = False,
     replicas: int = 1,
     means_divided: bool = False,
+    own: bool = False,
 ) -> LossPlan:
     """The :class:`LossPlan` of a micro-batch whose loss terms form
     ``groups`` (``weighting.denominators``, as the host's Keras reduces).
@@ -73,10 +74,15 @@ def loss_plan(
     its denominator and a summed one counts ``1 / replicas`` per replica.
     Otherwise (Keras 3) the host undid Keras' division of the whole loss
     before (``unscale_loss_for_distribution``), and the groups stand.
+
+    ``own``: the loss is the model's own (no compiled loss term): a
+    penalty in it is the loss's own, kept as it is. Under a strategy it
+    follows Keras' convention, as the compiled terms do (see
+    ``hosts/micro_batch.py``).
     """
     first = groups[0]
     drops = None
-    if penalty and first.sums:
+    if penalty and first.sums and not own:
         # A summed loss adds the penalty once per big batch: only the
         # micro-batch that opens the cycle (count > 0) keeps it (the
         # weights, hence the penalty, are the same all cycle).

@@ -25,6 +25,7 @@ from gradient_accumulator.core.validation import (
     check_bool,
     check_choice,
     check_engine_settings,
+    check_loss_denominator,
     check_micro_batch_size,
     take_05_keywords,
     warn_unneeded,
@@ -47,6 +48,9 @@ class Settings:
     progress_logs: bool = False
     # A function: not saved in files (see SAVED).
     skip_update_fn: Callable[[list, list], tf.Tensor] | None = None
+    # What a model's own compute_loss divides a batch by: "samples", "sum"
+    # or f(x, y, sample_weight); None: not declared (counted as "samples").
+    loss_denominator: str | Callable | None = None
 
     def __post_init__(self):
         set_checked = functools.partial(object.__setattr__, self)
@@ -58,10 +62,16 @@ class Settings:
         check_choice("partial_cycle", self.partial_cycle, PARTIAL_CYCLE)
         check_bool("flush_at_end", self.flush_at_end)
         check_bool("progress_logs", self.progress_logs)
+        check_loss_denominator(self.loss_denominator)
 
-    def saved(self) -> dict:
-        """The settings a model's config holds."""
-        return {name: getattr(self, name) for name in SAVED}
+    def saved(self, serialize: Callable | None = None) -> dict:
+        """The settings a model's config holds; ``serialize``: how a function
+        among them is saved (Keras' ``serialize_keras_object``, as for a
+        custom loss function), else it is kept as it is."""
+        saved = {name: getattr(self, name) for name in SAVED}
+        if serialize is not None and callable(saved["loss_denominator"]):
+            saved["loss_denominator"] = serialize(saved["loss_denominator"])
+        return saved
 
 
 # The settings saved in a model's config, in order.

@@ -47,6 +47,29 @@ def check_positive_float(name: str, value) -> float:
 
 
 PARTIAL_CYCLE = ("carry", "flush", "drop")
+LOSS_DENOMINATORS = ("samples", "sum")
+
+
+def check_loss_denominator(value):
+    """Returns ``value`` if it is a ``loss_denominator`` (None, ``"samples"``,
+    ``"sum"`` or a function) or raises a clear error."""
+    if value is None or callable(value):
+        return value
+    accepted = (
+        '"samples" (a mean over samples), "sum" (not divided), or a function '
+        "f(x, y, sample_weight) returning what the loss divides a batch by"
+    )
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`loss_denominator` must be {accepted}. Received: "
+            f"loss_denominator={value!r} of type {type(value).__name__}."
+        )
+    if value not in LOSS_DENOMINATORS:
+        raise ValueError(
+            f"`loss_denominator` must be {accepted}. "
+            f"Received: loss_denominator={value!r}."
+        )
+    return value
 
 
 def check_choice(name: str, value, choices: tuple) -> str:

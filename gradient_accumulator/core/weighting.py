@@ -92,14 +92,16 @@ def _order(key) -> int:
 
 
 def denominators(
-    terms, y_pred, sample_weight, batch, opens_cycle, merge_mask=None
+    terms, y_pred, sample_weight, batch, opens_cycle, merge_mask=None, own=None
 ) -> list[Denominator]:
     """The micro-batch's loss terms grouped by what the big batch divides
     them by, each group with the micro-batch's weight and count (the
     engine applies ``sum_k weight_k * g_k / sum_k count_k`` per group).
 
     ``terms``: the compiled loss terms (``[]`` for a custom ``compute_loss``:
-    samples are counted); ``batch``: the micro-batch's number of samples;
+    one group, as :func:`own_denominator` says of ``own``, the model's
+    ``loss_denominator``: None or ``"samples"``, ``"sum"``, or the value of
+    its function); ``batch``: the micro-batch's number of samples;
     ``opens_cycle``: a function giving a bool tensor, True if this
     micro-batch opens its cycle (called only for summed terms, whose
     cycle divides by 1); ``merge_mask(weights, mask)``: the sample weights
@@ -110,7 +112,7 @@ def denominators(
     """
     batch = tf.cast(batch, tf.float32)
     if not terms:
-        return [Denominator([], batch, batch)]
+        return [own_denominator(own, batch, opens_cycle)]
     found = [_denominator(t, y_pred, sample_weight, batch, merge_mask) for t in terms]
     keys: list = []
     for key, _ in found:
@@ -124,24 +126,42 @@ def denominators(
             # The big batch's loss is the plain sum of the micro-batches':
             # the divisor is 1 for the cycle, however many it holds.
             weight = tf.constant(1.0)
-            count = tf.cast(opens_cycle(), tf.float32)
+            count = _opened(opens_cycle)
         else:
             weight = count = found[members[0]][1]
         groups.append(Denominator(members, weight, count, key == "sum"))
     return groups
 
 
-def sums_losses(terms) -> bool:
-    """Whether the loss is a plain sum (every term reduced by "sum" or not
-    reduced): the big batch's loss is then the micro-batches' sum."""
-    return bool(terms) and all(_reduction(t) in _SUM_REDUCTIONS for t in terms)
+def own_denominator(own, batch, opens_cycle) -> Denominator:
+    """The one group of a loss the model computes itself (no compiled loss
+    term), as its ``loss_denominator`` (``own``) declares: a mean over the
+    samples (None, ``"samples"``), a sum (``"sum"``: the cycle divides by 1,
+    as for a ``"sum"`` reduction), or a mean over ``own`` entries (the value
+    of the declared function on the micro-batch: tokens, valid pixels)."""
+    if own is None or (isinstance(own, str) and own == "samples"):
+        return Denominator([], batch, batch)
+    if isinstance(own, str) and own == "sum":
+        return Denominator([], tf.constant(1.0), _opened(opens_cycle), sums=True)
+    own = tf.cast(own, tf.float32)
+    if own.shape.rank not in (None, 0):
+        raise ValueError(
+            "`loss_denominator` must return a scalar, what the loss divides "
+            f"the batch by. Received a value of shape {own.shape}."
+        )
+    own = tf.reshape(own, [])
+    return Denominator([], own, own)
 
 
-def loss_share(terms, count, opens_step):
+def _opened(opens_cycle):
+    return tf.cast(opens_cycle(), tf.float32)
+
+
+def loss_share(sums: bool, count, opens_step):
     """A slice's share of its step's loss denominator (for the logged loss
-    of an in-step micro-batched step): its count, or for a summed loss 1
-    for the step's first slice."""
-    if sums_losses(terms):
+    of an in-step micro-batched step): its count, or for a summed loss
+    (``sums``) 1 for the step's first slice."""
+    if sums:
         return tf.cast(opens_step, tf.float32)
     return tf.cast(count, tf.float32)
 

@@ -15,6 +15,7 @@ from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.settings import SAVED, Settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts.flavour import Flavour, Flavoured
+from gradient_accumulator.hosts.model import restored
 
 # Saved files name this loader, which rebuilds the model's own class first.
 LOADER = "gradient_accumulator>Accumulating"
@@ -154,4 +155,5 @@ class Loader(Flavoured):
             module = importlib.import_module(reference["module"])
             own = getattr(module, reference["class_name"])
         model = own.from_config(config)
+        settings = restored(cls._flavour, settings)
         return start(cls._flavour, model, lambda: Settings(**settings))

@@ -103,7 +103,6 @@ def _run_slice(model, data, batch, opened, present, start, length):
     """Accumulates the slice ``start:start + length`` of the step's
     ``data`` (``batch`` samples); returns its loss times its weight and its
     share of the step's loss denominator."""
-    flavour = model._flavour
     accumulator = model._accumulator
     x, y, sample_weight = data
     pick = functools.partial(_slice, start=start, length=length)
@@ -132,7 +131,7 @@ def _run_slice(model, data, batch, opened, present, start, length):
     # This slice's share of the batch's loss: loss * weight summed
     # over slices, divided by the batch's denominator, is the batch's
     # loss (for a "sum" reduction the denominator is 1 per batch).
-    share = loss_share(flavour.loss_terms(model), micro.count, opens_step)
+    share = loss_share(micro.sums, micro.count, opens_step)
     # reduce_sum: scalars of a known shape (loop variables must keep
     # theirs), also from a traced but never run empty remainder.
     return (

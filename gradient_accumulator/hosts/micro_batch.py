@@ -29,6 +29,7 @@ class Micro(NamedTuple):
     loss: tf.Tensor
     weight: tf.Tensor  # folded into the differentiated loss
     count: tf.Tensor  # its share of the denominator
+    sums: bool  # its loss is a plain sum (one group, not divided)
     samples: tf.Tensor
     grad_weight: tf.Tensor | None  # what the engine weighs grads by, or None
     # Each extra denominator's (grads, weight, count), see Engine.part.
@@ -66,8 +67,14 @@ def micro_batch_gradients(
                 model.optimizer.build(model.trainable_variables)
         outputs = y_pred if flavour.guards_empty_masks else _dividable(y_pred)
         loss = flavour.compute_loss(model, x, y, outputs, sample_weight)
+        own = not flavour.loss_terms(model)
+        # A model's own loss follows Keras' convention under a strategy, as
+        # Keras' losses do and plain Keras needs: a mean is this replica's
+        # share (divided by the replica count), a sum is whole. It is then
+        # weighed exactly as a compiled term of that reduction.
         loss = flavour.whole_loss(loss)
-        plan = _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples)
+        data = (x, y, sample_weight)
+        plan = _plan(model, data, y_pred, loss, own, opens_step, step_samples)
         if plan.drops_penalty is not None:
             penalty = tf.add_n([tf.cast(p, loss.dtype) for p in model.losses])
             penalty = flavour.whole_loss(penalty)
@@ -100,6 +107,7 @@ def micro_batch_gradients(
         loss=loss,
         weight=groups[0].weight,
         count=groups[0].count,
+        sums=len(groups) == 1 and groups[0].sums,
         samples=batch_size(x),
         grad_weight=found.weight,
         parts=found.parts,
@@ -107,15 +115,23 @@ def micro_batch_gradients(
     )
 
 
-def _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples) -> LossPlan:
-    """The micro-batch's :class:`LossPlan`, from its Keras' conventions."""
+def computes_own_loss(model) -> bool:
+    """Whether ``model``'s class overrides Keras' ``compute_loss``."""
+    return type(model).compute_loss is not model._flavour.keras.Model.compute_loss
+
+
+def _plan(model, data, y_pred, loss, own, opens_step, step_samples) -> LossPlan:
+    """The micro-batch's :class:`LossPlan`, from its Keras' conventions
+    (``data``: its ``(x, y, sample_weight)``; ``own``: its loss has no
+    compiled term)."""
     flavour = model._flavour
+    x = data[0]
     part = None
     if step_samples is not None:
         samples = tf.cast(batch_size(x), tf.float32)
         part = samples / tf.cast(step_samples, tf.float32)
     return loss_plan(
-        groups_of(model, x, y_pred, sample_weight, opens_step),
+        groups_of(model, data, y_pred, opens_step),
         scale=loss_scale.loss_scale(flavour, model.optimizer),
         overwrites=any(overwritten(v) for v in model.trainable_variables),
         cycle_length=model._accumulator.cycle_length,
@@ -123,16 +139,30 @@ def _plan(model, x, y_pred, sample_weight, loss, opens_step, step_samples) -> Lo
         penalty=bool(model.losses) and loss.shape.rank == 0,
         replicas=flavour.replicas(model),
         means_divided=flavour.means_divided,
+        own=own,
     )
 
 
-def groups_of(model, x, y_pred, sample_weight, opens_step=None):
+def groups_of(model, data, y_pred, opens_step=None):
     """The micro-batch's loss terms by denominator, with its weight and
-    count in each (see ``weighting.denominators``). A micro-batch opens
-    its cycle if the cycle is still empty and, for an in-step slice, if
-    it is its step's first (``opens_step``, a bool tensor): later slices
-    of the step do not advance the counter."""
+    count in each (see ``weighting.denominators``; ``data``: its ``(x, y,
+    sample_weight)``). A micro-batch opens its cycle if the cycle is still
+    empty and, for an in-step slice, if it is its step's first
+    (``opens_step``, a bool tensor): later slices of the step do not
+    advance the counter."""
     flavour = model._flavour
+    x, y, sample_weight = data
+    terms = flavour.loss_terms(model)
+    declared = model._setup.loss_denominator
+    if terms and declared is not None:
+        raise ValueError(
+            f"`loss_denominator={declared!r}` declares what a model's own "
+            "`compute_loss` divides by, but this model has a compiled loss, "
+            "whose reduction gives the denominator. Leave `loss_denominator` "
+            "unset, or compile without a loss."
+        )
+    if callable(declared):
+        declared = declared(x, y, sample_weight)
 
     def opens():
         opens = model._accumulator.opens_cycle()
@@ -141,13 +171,14 @@ def groups_of(model, x, y_pred, sample_weight, opens_step=None):
         return opens
 
     return denominators(
-        flavour.loss_terms(model),
+        terms,
         flavour.term_outputs(y_pred),
         # Only the "mean_with_sample_weight" reduction reads them.
         sample_weight if flavour.merge_mask is not None else None,
         batch_size(x),
         opens,
         merge_mask=flavour.merge_mask,
+        own=declared,
     )
 
 

@@ -22,10 +22,14 @@ from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts import loss_scale
-from gradient_accumulator.hosts.flavour import Flavoured
+from gradient_accumulator.hosts.flavour import Flavour, Flavoured
 from gradient_accumulator.hosts.functional_variants import construct
 from gradient_accumulator.hosts.in_step import in_step_train_step
-from gradient_accumulator.hosts.micro_batch import Micro, micro_batch_gradients
+from gradient_accumulator.hosts.micro_batch import (
+    Micro,
+    computes_own_loss,
+    micro_batch_gradients,
+)
 from gradient_accumulator.hosts.partial_cycles import (
     PartialCycles,
     fit_with_partial_cycles,
@@ -57,6 +61,7 @@ class ModelHost(Flavoured):
         flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
         progress_logs: bool = Settings.progress_logs,
+        loss_denominator: str | Callable | None = Settings.loss_denominator,
         *args,
         **kwargs,
     ):
@@ -72,7 +77,7 @@ class ModelHost(Flavoured):
                 "accum_steps with fit(batch_size=...) instead."
             )
         # Every setting is an argument of the same name.
-        arguments = locals()
+        arguments = restored(self._flavour, locals())
         settings = model_settings(
             kwargs,
             mixed_precision,
@@ -154,7 +159,8 @@ class ModelHost(Flavoured):
 
     def _release_state(self) -> None:
         self._flavour.disown_state(self, "_accumulator")
-        for name in ("_setup", "_accumulator", "_plain", "_end_of_fit"):
+        names = ("_setup", "_accumulator", "_plain", "_end_of_fit", "_warned_own_loss")
+        for name in names:
             if name in vars(self):
                 delattr(self, name)
 
@@ -277,6 +283,31 @@ class ModelHost(Flavoured):
         the BatchNormalization layers to the cycle if it is not."""
         self._plain = self._setup.micro_batch_size is None and self._accumulator.plain()
         self._link_batch_norm(follow=not self._plain)
+        if not self._plain:
+            self._warn_undeclared_loss()
+
+    def _warn_undeclared_loss(self) -> None:
+        """Warns once when the model computes its loss itself (no compiled
+        loss) without saying what that loss divides a batch by."""
+        if (
+            self._setup.loss_denominator is not None
+            or getattr(self, "loss", None)
+            or not computes_own_loss(self)
+            or getattr(self, "_warned_own_loss", False)
+        ):
+            return
+        self._warned_own_loss = True
+        warnings.warn(
+            f"{_NAME}: {type(self).__name__} computes its own loss "
+            "(compute_loss, no compiled loss), which is taken to be a mean "
+            "over samples: each micro-batch is weighed by its number of "
+            "samples. If it is not, the update is not the big batch's: say "
+            'what it divides by with loss_denominator="sum" (not divided) '
+            "or loss_denominator=f(x, y, sample_weight) (e.g. the number of "
+            'unmasked tokens); loss_denominator="samples" confirms the mean '
+            "and silences this warning.",
+            stacklevel=3,
+        )
 
     def _link_batch_norm(self, follow: bool) -> None:
         """Makes every AccumBatchNormalization (nested models included)
@@ -290,10 +321,12 @@ class ModelHost(Flavoured):
             if isinstance(layer, batch_norm):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
-    def _settings(self, saved: bool = True) -> dict:
+    def _settings(self, saved: bool = True, serialize=None) -> dict:
         """The constructor arguments that reproduce this model's accumulation
-        (``saved``: those a config holds, without ``skip_update_fn``)."""
-        settings = self._setup.saved() if saved else dataclasses.asdict(self._setup)
+        (``saved``: those a config holds, without ``skip_update_fn``;
+        ``serialize``: see ``Settings.saved``)."""
+        setup = self._setup
+        settings = setup.saved(serialize) if saved else dataclasses.asdict(setup)
         if not self._flavour.in_step:
             settings.pop("micro_batch_size")  # not an argument here
         # A schedule may have changed accum_steps since construction.
@@ -303,7 +336,9 @@ class ModelHost(Flavoured):
         # tf-keras saves a Functional subclass with its own __init__ by its
         # constructor arguments only, without the network.
         config = self._flavour.network_config(self) or super().get_config()
-        config.update(self._settings())
+        # A loss_denominator function is saved as Keras saves a loss function.
+        serialize = self._flavour.keras.saving.serialize_keras_object
+        config.update(self._settings(serialize=serialize))
         return config
 
     # ``.keras`` files of a Keras that does not save the engine as its own
@@ -399,6 +434,17 @@ class ModelHost(Flavoured):
     def _apply_fn(self, variables):
         flavour, apply = self._flavour, loss_scale.apply_gradients
         return lambda grads: apply(flavour, self.optimizer, grads, variables)
+
+
+def restored(flavour: Flavour, settings: dict) -> dict:
+    """``settings`` as read from a config: a ``loss_denominator`` function
+    saved as its Keras config (a dict) is the function again, loaded as
+    Keras loads a custom loss function (registered, or in custom_objects)."""
+    value = settings.get("loss_denominator")
+    if not isinstance(value, dict):
+        return settings
+    function = flavour.keras.saving.deserialize_keras_object(value)
+    return {**settings, "loss_denominator": function}
 
 
 def _partial_cycles(keras) -> type:

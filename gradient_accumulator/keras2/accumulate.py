@@ -27,7 +27,7 @@ def accumulate(model: tf_keras.Model, accum_steps: int = 1, **settings):
         accum_steps: micro-batches per optimizer update, an ``int >= 1``.
         **settings: the model wrapper's, by keyword: ``partial_cycle``,
             ``flush_at_end``, ``skip_update_fn``, ``progress_logs``,
-            ``use_agc``, ``clip_factor``, ``eps``.
+            ``use_agc``, ``clip_factor``, ``eps``, ``loss_denominator``.
 
     Returns:
         ``model`` itself.

@@ -120,7 +120,8 @@ SETTINGS = tuple(
 
 def _accumulated_config(model, own: type) -> dict:
     # Its own class's config, with the settings the model wrapper saves.
-    settings = {k: v for k, v in model._setup.saved().items() if k in SETTINGS}
+    saved = model._setup.saved(tf_keras.saving.serialize_keras_object)
+    settings = {k: v for k, v in saved.items() if k in SETTINGS}
     return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
 
 
