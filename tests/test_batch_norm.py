@@ -23,7 +23,14 @@ from gradient_accumulator import (
     GradientAccumulateOptimizer,
     replace_batchnorm_layers,
 )
-from tests.processes import REPO, describe, run_script, verdict
+from tests.processes import (
+    REPO,
+    assert_quiet,
+    describe,
+    run_like_a_user,
+    run_script,
+    verdict,
+)
 from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
 
 STAT_TOL = 1e-5
@@ -534,8 +541,10 @@ def test_mirrored_strategy_pools_every_replica():
 
 
 def test_batch_norm_example_quick_matches_big_batch_statistics():
-    result = run_script("examples/batch_norm.py", "--quick")  # has a timeout
+    result = run_like_a_user("examples/batch_norm.py", "--quick")
     assert result.returncode == 0, describe(result)
+    assert verdict(result).startswith("OK: "), describe(result)
+    assert_quiet(result)
     match = re.search(r"max \|moving_accum - moving_bigbatch\| = (\S+)", result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-5, describe(result)

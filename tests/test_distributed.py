@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests import dist_utils, dist_worker, utils
-from tests.processes import describe, run_script, verdict
+from tests.processes import assert_quiet, describe, run_like_a_user, run_script, verdict
 
 TIMEOUT = 420  # seconds per group of child processes
 RESUME_ATOL = 1e-6
@@ -251,8 +251,10 @@ def test_distributed_example_quick_matches_big_batch():
     reports the weight difference against one-device big-batch Keras."""
     import re
 
-    result = run_script("examples/distributed.py", "--quick", timeout=TIMEOUT)
+    result = run_like_a_user("examples/distributed.py", "--quick", timeout=TIMEOUT)
     assert result.returncode == 0, describe(result)
+    assert verdict(result).startswith("OK: "), describe(result)
+    assert_quiet(result)
     match = re.search(r"max \|w_accum - w_bigbatch\| = (\S+)", result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= utils.ATOL, describe(result)

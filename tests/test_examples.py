@@ -17,8 +17,14 @@ import sys
 
 import numpy as np
 
-from tests.processes import REPO, describe, run_script, verdict
-from tests.test_quiet_start import assert_quiet, run_like_a_user
+from tests.processes import (
+    REPO,
+    assert_quiet,
+    describe,
+    run_like_a_user,
+    run_script,
+    verdict,
+)
 
 WEIGHT_DIFF = re.compile(r"max \|w_accum - w_bigbatch\| = (\S+)")
 TABLE_HEADER = "| model | variant | ms/micro-step | ratio vs plain |"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from tests.processes import describe, run_script, verdict
+from tests.processes import assert_quiet, describe, run_like_a_user, run_script, verdict
 
 WEIGHT_DIFF = re.compile(r"max \|w_instep - w_bigbatch\| = (\S+)")
 MEMORY_HEADER = (
@@ -19,8 +19,10 @@ MEMORY_HEADER = (
 
 
 def test_in_step_example_quick_matches_big_batch():
-    result = run_script("examples/in_step.py", "--quick")
+    result = run_like_a_user("examples/in_step.py", "--quick")
     assert result.returncode == 0, describe(result)
+    assert verdict(result).startswith("OK: "), describe(result)
+    assert_quiet(result)
     match = WEIGHT_DIFF.search(result.stdout)
     assert match, describe(result)
     assert float(match.group(1)) <= 1e-4, describe(result)

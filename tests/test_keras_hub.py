@@ -39,7 +39,7 @@ from gradient_accumulator import (
     accumulate,
 )
 from tests import utils
-from tests.processes import describe, run_script, verdict
+from tests.processes import assert_quiet, describe, run_like_a_user, verdict
 
 B = 4  # micro-batch
 K = 4  # micro-batches per update
@@ -274,9 +274,10 @@ def test_text_classifier_equals_big_batch():
 
 # -------------------------------------------------------------- example
 def test_keras_hub_causal_lm_example_quick():
-    result = run_script("examples/keras_hub_causal_lm.py", "--quick")
+    result = run_like_a_user("examples/keras_hub_causal_lm.py", "--quick")
     assert result.returncode == 0, describe(result)
     assert verdict(result).startswith("OK: "), describe(result)
+    assert_quiet(result)
     ours = float(result.stdout.split("max |w_accum - w_bigbatch| = ")[1].split()[0])
     averaged = float(
         result.stdout.split("max |w_averaged - w_bigbatch| = ")[1].split()[0]

@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, GradientAccumulateOptimizer
 from tests import utils
-from tests.processes import describe, run_script, verdict
+from tests.processes import assert_quiet, describe, run_like_a_user, verdict
 
 B = 8  # micro-batch size
 K = 4  # accumulation steps
@@ -298,8 +298,9 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
 
 # ---------------------------------------------------------------- example
 def test_mixed_precision_example_quick():
-    result = run_script("examples/mixed_precision.py", "--quick")
+    result = run_like_a_user("examples/mixed_precision.py", "--quick")
     assert result.returncode == 0, describe(result)
+    assert_quiet(result)
     assert "overflow: cycle skipped" in result.stdout, describe(result)
     assert verdict(result).startswith("OK: under mixed_float16"), describe(result)
 

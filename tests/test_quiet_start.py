@@ -10,81 +10,23 @@ No timing is asserted: "fast" is checked as "TensorFlow was never imported".
 from __future__ import annotations
 
 import ast
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.processes import REPO, TIMEOUT, describe, run_script, verdict
-
-EXAMPLES = sorted((REPO / "examples").glob("*.py"))
-
-# TensorFlow's C++ log lines (absl style: "E0000 00:00:1795553431.473814 28101
-# cuda_platform.cc:52] ...") and the words of those a new user saw: the
-# start-up lines (port.cc's oneDNN notice, cudart_stub, cpu_feature_guard,
-# "All log messages before absl::InitializeLog()"), cuInit's error without a
-# GPU driver, oneDNN's "Falling back to the default Eigen" and tf.data's
-# "NodeDef mentions attribute use_unbounded_threadpool".
-TENSORFLOW_LOG = re.compile(
-    r"^[IWEF]\d{4} |absl::InitializeLog|cuInit|cudart_stub|cpu_feature_guard"
-    r"|use_unbounded_threadpool|oneDNN",
-    re.M,
+from tests.processes import (
+    REPO,
+    TIMEOUT,
+    assert_quiet,
+    describe,
+    run_like_a_user,
+    run_script,
 )
 
-# Examples whose own test in tests/test_examples.py already runs them with
-# run_like_a_user and checks their output with assert_quiet; the others are
-# run here.
-QUIET_IN_TEST_EXAMPLES = {"digits_demo.py", "masked_sequence.py", "schedule.py"}
-
-
-def run_like_a_user(
-    *args: str, timeout: float = TIMEOUT
-) -> subprocess.CompletedProcess:
-    """``python *args`` from the repository root in a new user's environment:
-    the test session's ``TF_CPP_MIN_LOG_LEVEL`` and ``CUDA_VISIBLE_DEVICES``
-    (conftest.py and CI set them) removed. The child leads its own process
-    group: if the timeout expires, or the wait is interrupted, the group is
-    killed, with any process the child started (examples/distributed.py's
-    workers)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TF_CPP_MIN_LOG_LEVEL", "CUDA_VISIBLE_DEVICES")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p
-    )
-    child = subprocess.Popen(
-        [sys.executable, *args],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = child.communicate(timeout=timeout)
-    except BaseException:
-        # Not reaped yet, so the group id is still the child's own.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.communicate(timeout=60)
-        raise
-    return subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
-
-
-def assert_quiet(result: subprocess.CompletedProcess) -> None:
-    """No TensorFlow log line anywhere in the child's output."""
-    lines = (result.stdout + "\n" + result.stderr).splitlines()
-    found = "\n".join(line[:200] for line in lines if TENSORFLOW_LOG.search(line))
-    assert not found, f"TensorFlow log lines:\n{found}\n{describe(result)}"
-
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))
 
 # Runs a script or module as __main__ with the given argv, then reports which
 # heavy modules the process imported (also when argparse exits).
@@ -240,29 +182,17 @@ def test_the_command_prints_no_tensorflow_log_lines():
     assert_quiet(result)
 
 
-@pytest.mark.parametrize(
-    "example",
-    [p for p in EXAMPLES if p.name not in QUIET_IN_TEST_EXAMPLES],
-    ids=lambda p: p.name,
-)
-def test_example_prints_no_tensorflow_log_lines(example):
-    """The command each example's docstring gives for a smoke test, run as a
-    new user runs it: the whole output (stdout and stderr) holds no
-    TensorFlow log line, and the example still ends with its verdict."""
-    result = run_like_a_user(str(example.relative_to(REPO)), "--quick")
-    assert result.returncode == 0, describe(result)
-    assert verdict(result).startswith("OK: "), describe(result)
-    assert_quiet(result)
-
-
 def test_every_example_run_is_checked_for_tensorflow_log_lines():
-    """The examples left to tests/test_examples.py are run there like a user
-    and their output checked."""
+    """Each example's --quick run is tested as a new user runs it
+    (``run_like_a_user``: the command its docstring gives), and that test
+    checks the whole output for TensorFlow log lines (``assert_quiet``): one
+    run per example checks its numbers, its verdict and its quiet."""
     checked = set()
-    for body in _tests_with_their_helpers(REPO / "tests" / "test_examples.py"):
-        if "run_like_a_user(" in body and "assert_quiet(result)" in body:
-            checked.update(re.findall(r"examples/(\w+\.py)", body))
-    assert checked == QUIET_IN_TEST_EXAMPLES
+    for path in (REPO / "tests").glob("test_*.py"):
+        for body in _tests_with_their_helpers(path):
+            if "run_like_a_user(" in body and "assert_quiet(result)" in body:
+                checked.update(re.findall(r"examples/(\w+\.py)", body))
+    assert checked == {p.name for p in EXAMPLES}
 
 
 LAZY = r"""

@@ -560,3 +560,44 @@ def test_a_moved_private_keras_name_fails_in_one_line_naming_the_range():
     assert "apply_mask" in lines[0]
     assert f"keras {keras.__version__} does not have" in lines[0]
     assert f"keras{_backend.KERAS_SPEC}" in lines[0]
+
+
+def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
+    """The test extra's pytest and pytest-xdist keep ``tests/xdist_groups.py``'s
+    groups together under ``--dist loadgroup`` (pytest 9.2 dropped them
+    silently, pytest-xdist#1386): a module fixture is built once, not once
+    per worker (the distributed fixtures cost a minute each)."""
+    (tmp_path / "conftest.py").write_text(
+        "from tests.xdist_groups import pytest_collection_modifyitems  # noqa\n"
+    )
+    (tmp_path / "test_probe.py").write_text(
+        textwrap.dedent(
+            """
+            import os
+            import pytest
+
+            @pytest.fixture(scope="module")
+            def shared():
+                return os.getpid()
+
+            @pytest.mark.parametrize("i", range(6))
+            def test_shared(shared, i):
+                assert shared == os.getpid()
+                print("WORKER", os.getpid())
+
+            @pytest.mark.parametrize("i", range(6))
+            def test_alone(i):
+                print("ALONE", os.getpid())
+            """
+        )
+    )
+    args = ("-m", "pytest", "-n", "2", "--dist", "loadgroup", "-rA")
+    result = processes.run_script(
+        *args, "-p", "no:cacheprovider", cwd=tmp_path, timeout=120
+    )
+    assert result.returncode == 0, processes.describe(result)
+    shared = set(re.findall(r"^WORKER (\d+)$", result.stdout, re.M))
+    alone = set(re.findall(r"^ALONE (\d+)$", result.stdout, re.M))
+    assert len(shared) == 1, processes.describe(result)
+    # Not vacuous: single tests do go to both workers.
+    assert len(alone) == 2, processes.describe(result)
