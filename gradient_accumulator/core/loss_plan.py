@@ -75,10 +75,8 @@ def loss_plan(
     Otherwise (Keras 3) the host undid Keras' division of the whole loss
     before (``unscale_loss_for_distribution``), and the groups stand.
 
-    ``own``: the loss is the model's own (no compiled loss term): a
-    penalty in it is the loss's own, kept as it is. Under a strategy it
-    follows Keras' convention, as the compiled terms do (see
-    ``hosts/micro_batch.py``).
+    ``own``: the loss is the model's own (no compiled term): a penalty in
+    it is kept as it is; replicas as for compiled terms (``micro_batch``).
     """
     first = groups[0]
     drops = None
