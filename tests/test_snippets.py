@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import gradient_accumulator
+from tests import doctest_child
 from tests.processes import REPO, describe, run_script
 
 # Pages whose code is for tf-keras run in tests/keras2 (where tf.keras is it).
@@ -135,41 +136,19 @@ def run_page_blocks(page, tmp_path):
     assert done == [f"{b.path}:{b.line}" for b in blocks], describe(result)
 
 
-DOCTEST_CHILD = r"""
-import doctest, importlib, os, pkgutil, sys
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-import gradient_accumulator
 # The tf-keras hosts (keras2) run theirs in tests/keras2, where tf.keras is
 # tf-keras.
-names = ["gradient_accumulator"] + [
-    f"gradient_accumulator.{m.name}"
-    for m in pkgutil.iter_modules(gradient_accumulator.__path__)
-    if m.name != "keras2"
-]
-flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-finder, runner = doctest.DocTestFinder(), doctest.DocTestRunner(optionflags=flags)
-seen = set()
-def run(label, tests):
-    failed = attempted = 0
-    for test in tests:
-        key = (test.filename, test.lineno, test.docstring)
-        if test.examples and key not in seen:
-            seen.add(key)
-            result = runner.run(test)
-            failed, attempted = failed + result.failed, attempted + result.attempted
-    print(f"doctest {label} attempted {attempted} failed {failed}", flush=True)
-for name in names:
-    run(name, finder.find(importlib.import_module(name)))
-# A module's search keeps only objects it finds to be its own (by __module__, or
-# a function's globals), and misses public objects defined in modules not
-# walked here (core's AGC functions): each public object is searched itself too,
-# and what the modules already ran is not run again.
-package = gradient_accumulator
-public = {f"{package.__name__}.{n}": getattr(package, n) for n in package.__all__}
-run("__all__", [
-    test for name, obj in public.items() for test in finder.find(obj, name)
-])
-"""
+DOCTEST_CHILD = doctest_child.script(
+    "gradient_accumulator",
+    """def modules(package):
+    names = [package.__name__] + [
+        f"{package.__name__}.{m.name}"
+        for m in pkgutil.iter_modules(package.__path__)
+        if m.name != "keras2"
+    ]
+    return [(name, name) for name in names]""",
+    "doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE",
+)
 
 
 def test_docstring_examples_run(tmp_path):
