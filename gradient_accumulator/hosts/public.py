@@ -1,0 +1,199 @@
+"""The public functions ``replace_batchnorm_layers`` and ``verify``, written
+once: each Keras' module (``convert.py``, ``verify.py`` and their ``keras2/``
+twins) gets its function from a factory here, given its flavour.
+
+A factory's function carries its module's ``__module__``, its name and a
+docstring naming that Keras (``{keras}`` below, the flavour's package name;
+``{package}``, the module's package), so ``help()``, ``inspect.signature`` and
+the ``>>>`` examples read as if it were written in that module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from gradient_accumulator.hosts import equivalence, replace_layers
+from gradient_accumulator.hosts.equivalence import VerifyReport
+from gradient_accumulator.hosts.flavour import Flavour
+
+# Stand-ins in the functions' annotations (strings): _public names this Keras'
+# classes in their place, as inspect.signature shows them.
+Model = Optimizer = Any
+
+_REPLACE_DOC = """\
+Returns a copy of ``model`` with every ``BatchNormalization`` accumulating.
+
+    Every ``{keras}.layers.BatchNormalization`` (in nested functional and
+    ``Sequential`` models too) becomes an :class:`AccumBatchNormalization`
+    with the same configuration, gamma, beta, moving mean and moving
+    variance; every other layer is copied with its weights. In inference the
+    returned model predicts exactly what ``model`` predicts. ``model`` itself
+    is left untouched (no layer or variable is shared).
+
+    Args:
+        model: a functional or ``Sequential`` ``{keras}.Model`` (a
+            :class:`GradientAccumulateModel` stays one, with its settings).
+            Subclassed models cannot be rebuilt layer by layer: use
+            :class:`AccumBatchNormalization` in their code instead.
+        accum_steps: given to every new layer; ``None`` (the default) takes it
+            from the :class:`GradientAccumulateModel` the layers end up in.
+        position: only ``"replace"``, accepted for 0.5.x compatibility.
+
+    Returns:
+        The converted model, compiled like ``model`` if ``model`` was.
+        Subclasses of ``BatchNormalization`` are copied unchanged.
+
+    Raises:
+        ValueError: a ``BatchNormalization`` uses an option that
+            :class:`AccumBatchNormalization` lacks ({unsupported}).
+
+    Example:
+
+    >>> import {keras}
+    >>> from {package} import replace_batchnorm_layers
+    >>> model = {keras}.Sequential(
+    ...     [{keras}.Input((4,)), {keras}.layers.BatchNormalization()]
+    ... )
+    >>> type(replace_batchnorm_layers(model).layers[0]).__name__
+    'AccumBatchNormalization'
+    """
+
+_VERIFY_DOC = """Checks that ``GradientAccumulateModel`` trains ``model_fn()``'s model
+    exactly like plain {keras} on the big batch.
+
+    From the same initial weights and on the same samples in the same order,
+    trains plain {keras} with ``batch_size = micro_batch_size * accum_steps``
+    and ``GradientAccumulateModel(accum_steps=accum_steps)`` with
+    ``batch_size = micro_batch_size``, for ``steps`` optimizer updates each,
+    then compares every variable of every layer. Layers known to break
+    equivalence are named with the reason: ``BatchNormalization`` (micro-batch
+    statistics), layers that draw random numbers (``Dropout``, noise,
+    augmentation) and layers whose non-trainable state changes per call.
+
+    Calls ``{keras}.utils.set_random_seed(seed)`` before building each model.
+    Differences are smallest with
+    ``tf.config.experimental.enable_op_determinism()``.
+
+    Args:
+        model_fn: builds a new functional or ``Sequential`` ``{keras}.Model``,
+            compiled or not, with the same architecture on every call; called
+            twice. Both runs use ``{keras}.Model(m.inputs, m.outputs)`` of its
+            model, so a ``GradientAccumulateModel`` is also accepted.
+        x: inputs, as ``fit`` takes them (an array, or a list or dict of
+            arrays) with at least ``micro_batch_size * accum_steps * steps``
+            samples; the first ones are used.
+        y: targets, like ``x``.
+        micro_batch_size: samples per micro-batch, an ``int >= 1``.
+        accum_steps: micro-batches per update, an ``int >= 1``.
+        optimizer: {optimizers}
+            (copied from its config for each run), without accumulation;
+            default: the compiled model's optimizer (the wrapped one for a
+            ``GradientAccumulateOptimizer``), else ``"sgd"``.
+        loss: anything ``compile(loss=...)`` takes; default: the compiled
+            model's loss. Required if ``model_fn`` does not compile.
+        steps: optimizer updates per run, an ``int >= 1``.
+        tolerance: largest absolute difference per variable that passes
+            (``> 0``).
+        seed: random seed for the initial weights.
+        callbacks: None, or a function returning a new list of callbacks
+            for each run's ``fit`` (for layers that need one while training,
+            such as TensorFlow Model Optimization's ``UpdatePruningStep``).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is the verdict and
+        ``print(report)`` shows the table.
+
+    Raises:
+        TypeError: an argument has the wrong type (``model_fn`` a model
+            instead of a function that builds one).
+        RuntimeError: a training run failed (the message names the run).
+        ValueError: an argument is out of range, there are too few samples,
+            or ``model_fn`` builds a model without symbolic inputs
+            (subclassed).
+
+    Example:
+
+    >>> import numpy as np, {keras}
+    >>> from {package} import verify
+    >>> def model_fn():
+    ...     inputs = {keras}.Input((4,))
+    ...     return {keras}.Model(inputs, {keras}.layers.Dense(2)(inputs))
+    >>> x, y = np.ones((32, 4), "float32"), np.zeros((32, 2), "float32")
+    >>> report = verify(model_fn, x, y, micro_batch_size=4, accum_steps=2, loss="mse")
+    >>> report.ok
+    True
+    """
+
+# What each Keras' verify accepts as `optimizer`, in its docstring.
+_OPTIMIZERS = {
+    "keras": "a Keras optimizer name or instance",
+    "tf_keras": "a tf-keras optimizer name or instance, current or legacy "
+    "(``tf_keras.optimizers.legacy``)",
+}
+
+
+def replace_batchnorm_layers(flavour: Flavour, module: str) -> Callable:
+    """``module``'s ``replace_batchnorm_layers`` for ``flavour``'s Keras."""
+
+    def replace_batchnorm_layers(
+        model: Model, accum_steps: int | None = None, position: str = "replace"
+    ) -> Model:
+        return replace_layers.replace(flavour, model, accum_steps, position)
+
+    unsupported = ", ".join(f"``{o}``" for o in flavour.batch_norm_unsupported)
+    return _public(replace_batchnorm_layers, flavour, module, _REPLACE_DOC, unsupported)
+
+
+def verify(flavour: Flavour, module: str) -> Callable:
+    """``module``'s ``verify`` for ``flavour``'s Keras."""
+
+    def verify(
+        model_fn: Callable[[], Model],
+        x: Any,
+        y: Any,
+        *,
+        micro_batch_size: int = 8,
+        accum_steps: int = 4,
+        optimizer: str | Optimizer | None = None,
+        loss: Any = None,
+        steps: int = 3,
+        tolerance: float = 1e-4,
+        seed: int = 0,
+        callbacks: Callable[[], list] | None = None,
+    ) -> VerifyReport:
+        options = {
+            "micro_batch_size": micro_batch_size,
+            "accum_steps": accum_steps,
+            "optimizer": optimizer,
+            "loss": loss,
+            "steps": steps,
+            "tolerance": tolerance,
+            "seed": seed,
+            "callbacks": callbacks,
+        }
+        return equivalence.run(flavour, model_fn, x, y, options)
+
+    return _public(verify, flavour, module, _VERIFY_DOC, "")
+
+
+def _public(
+    function: Callable, flavour: Flavour, module: str, doc: str, unsupported: str
+) -> Callable:
+    keras = flavour.name
+    function.__module__ = module
+    function.__qualname__ = function.__name__
+    function.__doc__ = doc.format(
+        keras=keras,
+        package=module.rpartition(".")[0],
+        unsupported=unsupported,
+        optimizers=_OPTIMIZERS.get(keras, f"a {keras} optimizer name or instance"),
+    )
+    # The annotations are strings (postponed); name this Keras' classes in them.
+    function.__annotations__ = {
+        name: annotation.replace("Model", f"{keras}.Model").replace(
+            "Optimizer", f"{keras}.optimizers.Optimizer"
+        )
+        for name, annotation in function.__annotations__.items()
+    }
+    return function
