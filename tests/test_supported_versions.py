@@ -599,5 +599,6 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
     shared = set(re.findall(r"^WORKER (\d+)$", result.stdout, re.M))
     alone = set(re.findall(r"^ALONE (\d+)$", result.stdout, re.M))
     assert len(shared) == 1, processes.describe(result)
-    # Not vacuous: single tests do go to both workers.
-    assert len(alone) == 2, processes.describe(result)
+    # Not vacuous: the run had two workers (xdist may give all the single
+    # tests to the worker the group did not take).
+    assert len(shared | alone) == 2, processes.describe(result)
