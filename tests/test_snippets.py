@@ -27,7 +27,7 @@ from tests import doctest_child
 from tests.processes import REPO, describe, run_script
 
 # Pages whose code is for tf-keras run in tests/keras2 (where tf.keras is it).
-KERAS2_PAGES = [REPO / "docs" / "tf-keras.md"]
+KERAS2_PAGES = [REPO / "docs" / "tf-keras.md", REPO / "docs" / "recipes-tf-keras.md"]
 PAGES = [
     p
     for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
