@@ -82,22 +82,25 @@ def _compute_loss(model, x, y, y_pred, sample_weight):
     )
 
 
-def _weights_under_mask(weights, mask):
+def _merge_mask(weights, mask):
     return compat.apply_mask(
         weights, mask, dtype="float32", reduction="mean_with_sample_weight"
     )
 
 
-FLAVOUR = Flavour(
+FLAVOUR = Flavour.from_namespace(
+    globals(),
     name=KERAS3,
     keras=keras,
     # --- optimizer host
     optimizer_kinds=(keras.optimizers.Optimizer,),
     optimizer_text="keras.optimizers.Optimizer",
     optimizer_base_arguments=(("learning_rate", 0.0),),
-    optimizer_engine=_optimizer_engine,
     optimizer_keeps_strategy=False,
     optimizer_built=lambda optimizer: optimizer.built,
+    optimizer_build_scope=lambda optimizer: keras.name_scope(
+        optimizer.name, caller=optimizer
+    ),
     build_optimizer=lambda optimizer, variables: optimizer.build(variables),
     own_optimizer_variables=compat.optimizer_own_variables,
     optimizer_state=lambda optimizer: optimizer.variables,
@@ -107,8 +110,8 @@ FLAVOUR = Flavour(
     ),
     optimizer_config_extras=(),
     wrapping_loss_scaler=compat.wrapping_loss_scaler,
-    loss_scaler=keras.optimizers.LossScaleOptimizer,
     cycle_loss_scaler=loss_scale.CycleLossScaleOptimizer,
+    loss_scaler=keras.optimizers.LossScaleOptimizer,
     loss_scaler_names=("GradientAccumulateOptimizer", "Keras"),
     current_scale=lambda scaler: tf.convert_to_tensor(scaler.dynamic_scale),
     # Keras' own rule, also for an optimizer's static loss_scale_factor.
@@ -119,7 +122,6 @@ FLAVOUR = Flavour(
     scaler_replaces_loss_scale_factor=True,
     gradient_scale=lambda scaler: host_loss_scale.loss_scale(FLAVOUR, scaler),
     # --- batch norm
-    batch_norm_options=_batch_norm_options,
     layer_engine=lambda layer, settings: Accumulator(
         settings, track=functools.partial(track_variable, layer), name="accumulator"
     ),
@@ -128,8 +130,6 @@ FLAVOUR = Flavour(
     fixed_weight={"autocast": False},
     own_initializer=clone_initializer,
     training_flag=lambda training: training,
-    batch_norm_moments=_batch_norm_moments,
-    moving_average=_moving_average,
     counts_calls=True,
     # --- accumulate()
     custom_names=GLOBAL_CUSTOM_NAMES,
@@ -139,7 +139,6 @@ FLAVOUR = Flavour(
     ).get_config(model),
     # --- replace_batchnorm_layers
     graph_models=(keras.Sequential, Functional),
-    clone_graph=_clone_graph,
     batch_norm_unsupported=("renorm",),
     batch_norm_config=lambda layer: {},
     # --- verify
@@ -161,13 +160,9 @@ FLAVOUR = Flavour(
     functional=compat.Functional,
     functional_arguments=compat.functional_init_arguments,
     network_config=_no_change,
-    model_from_config=_model_from_config,
     in_step=True,
-    forward=_forward,
-    compute_loss=_compute_loss,
     loss_terms=compat.flat_losses,
     term_outputs=lambda y_pred: y_pred,
-    merge_mask=_weights_under_mask,
     guards_empty_masks=True,
     # Keras divides each replica's loss by the replica count so that a sum
     # of replica gradients is a mean. The engine divides by the summed

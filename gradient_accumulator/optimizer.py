@@ -123,7 +123,5 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
         if trainable_variables is None:
             trainable_variables = optimizer_built_variables(self)
         variables = list(trainable_variables)
-        if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
+        self._build_for(variables)
         return variables

@@ -104,6 +104,8 @@ class Flavour:
     # was made under (not needed where the Keras' variables find it).
     optimizer_keeps_strategy: bool
     optimizer_built: Callable  # wrapper -> has it been built
+    # wrapper -> the context its first apply builds it in.
+    optimizer_build_scope: Callable
     build_optimizer: Callable  # (optimizer, variables) -> None
     own_optimizer_variables: Callable  # wrapper -> its state
     optimizer_state: Callable  # optimizer -> its variables
@@ -183,6 +185,30 @@ class Flavour:
     builds_optimizer: bool
     # (model) -> a context in which the step builds the engine's variables.
     state_scope: Callable
+
+    @classmethod
+    def from_namespace(cls, namespace: dict, **given: Any) -> Flavour:
+        """The record of a flavour module: each field not ``given`` is the
+        module's private function or value named for it (``_batch_norm_moments``
+        for ``batch_norm_moments``), as a Keras 3 backend is found by its
+        functions' names."""
+        values = dict(given)
+        missing, twice = [], []
+        for field in dataclasses.fields(cls):
+            own = namespace.get(f"_{field.name}")
+            if field.name in given:
+                if own is not None:
+                    twice.append(field.name)
+            elif own is None:
+                missing.append(field.name)
+            else:
+                values[field.name] = own
+        if missing or twice:
+            raise TypeError(
+                f"Flavour {given.get('name')!r}: each field needs exactly one "
+                f"value. Missing: {missing}; given twice: {twice}."
+            )
+        return cls(**values)
 
     def public(self, name: str) -> type:
         """This Keras' public class ``name`` (``GradientAccumulateModel``, ...),

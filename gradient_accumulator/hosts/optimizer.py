@@ -225,6 +225,13 @@ class OptimizerHost(Flavoured):
             )
         )
 
+    def _build_for(self, variables: list) -> None:
+        """Builds the wrapper for ``variables`` at its first apply, as the
+        Keras' own optimizers do."""
+        if not self._flavour.optimizer_built(self):
+            with self._flavour.optimizer_build_scope(self):
+                self.build(variables)
+
     def _adopt(self, scaler) -> None:
         # A LossScaleOptimizer builds the optimizer it wraps (compile() puts
         # one around this one under mixed_float16): it must hand whole cycles

@@ -191,7 +191,8 @@ def _rebuild(cls, config, custom_objects, from_config):
     return cls(**config, **settings)
 
 
-FLAVOUR = Flavour(
+FLAVOUR = Flavour.from_namespace(
+    globals(),
     name=TF_KERAS,
     keras=tf_keras,
     # --- optimizer host
@@ -205,15 +206,14 @@ FLAVOUR = Flavour(
     optimizer_engine=lambda wrapper, settings: Engine(settings),
     optimizer_keeps_strategy=True,
     optimizer_built=lambda optimizer: getattr(optimizer, "_built", False),
-    build_optimizer=_build_optimizer,
+    optimizer_build_scope=lambda optimizer: tf.init_scope(),
     own_optimizer_variables=lambda wrapper: list(wrapper._accumulator.variables),
     optimizer_state=inner_optimizers.state,
     serialize_optimizer=tf_keras.optimizers.serialize,
-    deserialize_optimizer=_deserialize_optimizer,
     optimizer_config_extras=("is_legacy_optimizer",),
     wrapping_loss_scaler=_compat.wrapping_loss_scaler,
-    loss_scaler=loss_scale.LossScaleOptimizer,
     cycle_loss_scaler=loss_scale.CycleLossScaleOptimizer,
+    loss_scaler=loss_scale.LossScaleOptimizer,
     loss_scaler_names=("The tf-keras GradientAccumulateOptimizer", "tf-keras"),
     current_scale=lambda scaler: scaler.loss_scale,
     scale_loss=loss_scale.scaled_loss,
@@ -223,30 +223,21 @@ FLAVOUR = Flavour(
     scaler_replaces_loss_scale_factor=False,
     gradient_scale=lambda scaler: None,
     # --- batch norm
-    batch_norm_options=_batch_norm_options,
     layer_engine=LayerEngine,
-    batch_norm_built=_batch_norm_built,
-    unbiased_variance=_unbiased_variance,
     fixed_weight={"experimental_autocast": False},
     own_initializer=lambda initializer: initializer,
-    training_flag=_training_flag,
-    batch_norm_moments=_batch_norm_moments,
-    moving_average=_moving_average,
     counts_calls=False,
     # --- accumulate()
     custom_names=GLOBAL_CUSTOM_NAMES,
     compiled=lambda model: model._is_compiled,
-    accumulated_config=_accumulated_config,
     # --- replace_batchnorm_layers
     graph_models=(Functional,),  # Sequential models included
-    clone_graph=_clone_graph,
     batch_norm_unsupported=(
         "renorm",
         "virtual_batch_size",
         "adjustment",
         "synchronized",
     ),
-    batch_norm_config=_batch_norm_config,
     # --- verify
     optimizers=(tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer),
     batch_norms=(
@@ -257,7 +248,6 @@ FLAVOUR = Flavour(
     copy_optimizer=lambda optimizer: type(optimizer).from_config(
         optimizer.get_config()
     ),
-    sublayers=_sublayers,
     draws_random=draws_random,
     # "dense/kernel:0" -> "kernel"
     variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
@@ -266,12 +256,10 @@ FLAVOUR = Flavour(
     model_state_key="accumulator:",
     # The engine is not a layer attribute (its variables would join the
     # model's weights) but a checkpoint dependency of its own.
-    untracked=_untracked,
     own_state=_compat.track_state,
     disown_state=_compat.untrack_state,
     keras_tensor=tf_keras.__internal__.KerasTensor,
     functional=_compat.Functional,
-    functional_arguments=_functional_arguments,
     network_config=_compat.functional_config,
     model_from_config=_rebuild,
     in_step=False,

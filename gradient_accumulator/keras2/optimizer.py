@@ -3,7 +3,6 @@ a tf-keras optimizer (current or ``tf.keras.optimizers.legacy``)."""
 
 from __future__ import annotations
 
-import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator.hosts.optimizer import OptimizerHost
@@ -79,9 +78,7 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
     def _apply(self, grads_and_vars, skip_aggregation, kwargs, name=None, scaler=None):
         pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
-        if not getattr(self, "_built", False):
-            with tf.init_scope():
-                self.build(variables)
+        self._build_for(variables)
         reduced = skip_aggregation or not kwargs.pop(
             "experimental_aggregate_gradients", True
         )
