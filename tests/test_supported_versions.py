@@ -382,7 +382,12 @@ def test_ci_lowest_pair_is_the_claimed_lower_bound():
 
 
 def test_ci_runs_the_tf_keras_tests_at_the_lowest_pair_too():
-    assert ci_installs()["low"] == {"tensorflow", "tf-keras", "test"}
+    assert ci_installs()["low"] == {
+        "tensorflow",
+        "tf-keras",
+        "test",
+        "recipes-tf-keras",
+    }
     script = (CI / "run").read_text()
     assert re.search(
         r'TF_USE_LEGACY_KERAS=1 run_pytest "\$low/bin/python" tests\b', script
@@ -454,10 +459,29 @@ def test_ci_run_installs_declared_extras():
         assert extras <= declared, (venv, extras)
 
 
+def test_ci_puts_each_recipe_library_beside_its_keras():
+    """The recipes' pages run against the real libraries: keras-rs with
+    Keras 3, TF-MOT and TFRS with tf-keras only (TF-MOT sets
+    TF_USE_LEGACY_KERAS=1 when imported, which would turn a Keras 3 run)."""
+    extras = setup_cfg()["options.extras_require"]
+    assert "keras-rs" in extras["recipes"]
+    assert "tensorflow-model-optimization" in extras["recipes-tf-keras"]
+    assert "tensorflow-recommenders" in extras["recipes-tf-keras"]
+    installs = ci_installs()
+    assert "recipes" in installs["venv"]
+    assert "recipes-tf-keras" not in installs["venv"]
+    assert all("recipes-tf-keras" in installs[v] for v in ("low", "tfk"))
+
+
 def test_ci_run_tests_tf_keras_with_the_tensorflow_distribution():
     """tf-keras requires the ``tensorflow`` distribution by name: beside
     tensorflow-cpu ([cpu]) pip would install a second TensorFlow."""
-    assert ci_installs()["tfk"] == {"tensorflow", "tf-keras", "test"}
+    assert ci_installs()["tfk"] == {
+        "tensorflow",
+        "tf-keras",
+        "test",
+        "recipes-tf-keras",
+    }
     script = (CI / "run").read_text()
     assert "${GA_TFK_VENV:-.venv-ci-tfk}" in script
     assert '"${GA_TFK:-1}" != 0' in script
