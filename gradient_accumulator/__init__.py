@@ -113,7 +113,9 @@ def __getattr__(name: str):
     if name in globals():
         return globals()[name]
     if name in _KERAS2_EXPORTS and name not in _EXPORTS:
-        raise AttributeError(
+        # ImportError, as for the names not yet ported to tf-keras: `from
+        # gradient_accumulator import ...` shows it as it is.
+        raise ImportError(
             f"gradient_accumulator.{name} is for tf-keras "
             "(TF_USE_LEGACY_KERAS=1), as TensorFlow Model Optimization is: "
             "tf.keras is Keras 3 here."
