@@ -29,6 +29,7 @@ class PruningStepLogic(Flavoured):
         self._delegate = flavour.update_pruning_step()
         self._steps: list[Any] = []
         self._sync = None
+        self._last_batch: int | None = None
 
     def set_model(self, model) -> None:
         super().set_model(model)
@@ -54,7 +55,19 @@ class PruningStepLogic(Flavoured):
 
         self._sync = sync if steps else None
 
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last_batch = None
+
     def on_train_batch_begin(self, batch, logs=None):
+        if self._last_batch is not None and batch != self._last_batch + 1:
+            # Keras calls back once per execution of several steps: the
+            # steps between two calls would each advance the step.
+            raise ValueError(
+                "PruningStepPerUpdate needs a callback before every batch: "
+                "compile the model with steps_per_execution=1 (Keras called "
+                f"it at batch {self._last_batch}, then at batch {batch})."
+            )
+        self._last_batch = batch
         # The wrapper adds one to its step in every training call, then
         # updates its masks when its schedule fires at that step. Set before
         # every batch to the updates applied so far, the step of every

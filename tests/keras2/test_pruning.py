@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_model_optimization as tfmot
 import tf_keras
 
@@ -87,6 +88,10 @@ def _train(host: str, schedule: str, optimizer: str, callback) -> dict:
     model.compile(opt, _loss())
     x, y = _data()
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[callback()])
+    return _state(model)
+
+
+def _state(model) -> dict:
     wrappers = [layer for layer in model.layers if _kind(layer) == "pruning"]
     assert len(wrappers) == 2
     return {
@@ -155,3 +160,55 @@ def test_on_a_plain_model_it_is_tfmots_callback():
     assert _mask_mismatches(ours, big) == 0
     for got, want in zip(ours["weights"], big["weights"]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_steps_per_execution_above_one_is_refused():
+    """Keras calls back once per execution: the steps in between would each
+    advance the pruning step."""
+    model = tf_keras.Model(*_pruned("constant"))
+    model.compile("sgd", _loss(), steps_per_execution=2)
+    x, y = _data()
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(x, y, batch_size=B, verbose=0, callbacks=[PruningStepPerUpdate()])
+
+
+def test_a_run_resumed_mid_cycle_stays_right(tmp_path):
+    """Stopped after 6 micro-batches (mid-cycle, the masks due at the cycle's
+    update), checkpointed, restored into a new model and trained on: the
+    big batch's masks and weights (the callback keeps no state)."""
+    x, y = _data()
+
+    def model(**settings):
+        inputs, outputs = _pruned("polynomial")
+        wrapped = GradientAccumulateModel(
+            accum_steps=K, inputs=inputs, outputs=outputs, **settings
+        )
+        wrapped.compile(OPTIMIZERS["sgd"](), _loss())
+        return wrapped
+
+    def fit(wrapped, start, stop):
+        wrapped.fit(
+            x[start:stop],
+            y[start:stop],
+            batch_size=B,
+            shuffle=False,
+            verbose=0,
+            callbacks=[PruningStepPerUpdate()],
+        )
+
+    first = model(flush_at_end=False)
+    fit(first, 0, 6 * B)
+    assert int(first.optimizer.iterations) == 1
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        tmp_path / "ckpt"
+    )
+    resumed = model()
+    resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(
+        path
+    ).assert_existing_objects_matched()
+    fit(resumed, 6 * B, len(x))
+    ours, big = _state(resumed), _reference("polynomial", "sgd")
+    assert ours["updates"] == UPDATES and ours["steps"] == big["steps"]
+    assert _mask_mismatches(ours, big) == 0
+    assert _max_diff(ours, big) <= ATOL
