@@ -72,6 +72,7 @@ _KERAS2_EXPORTS = {
     "GradientAccumulateModel": "keras2.model",
     "GradientAccumulateOptimizer": "keras2.optimizer",
     "LayerCheck": "keras2.verify",
+    "PruningStepPerUpdate": "keras2.callbacks",
     "VariableCheck": "keras2.verify",
     "VerifyReport": "keras2.verify",
     "accumulate": "keras2.accumulate",
@@ -107,10 +108,18 @@ def _load() -> None:
 
 
 def __getattr__(name: str):
-    if name in _EXPORTS and "_loaded" not in globals():
+    if (name in _EXPORTS or name in _KERAS2_EXPORTS) and "_loaded" not in globals():
         _load()
     if name in globals():
         return globals()[name]
+    if name in _KERAS2_EXPORTS and name not in _EXPORTS:
+        # ImportError, as for the names not yet ported to tf-keras: `from
+        # gradient_accumulator import ...` shows it as it is.
+        raise ImportError(
+            f"gradient_accumulator.{name} is for tf-keras "
+            "(TF_USE_LEGACY_KERAS=1), as TensorFlow Model Optimization is: "
+            "tf.keras is Keras 3 here."
+        )
     if name in _EXPORTS:
         raise ImportError(
             f"gradient_accumulator.{name} is not available for tf-keras yet "

@@ -150,6 +150,9 @@ FLAVOUR = Flavour.from_namespace(
     sublayers=all_layers,
     draws_random=lambda layer: bool(getattr(layer, "_seed_generators", None)),
     variable_name=lambda variable: variable.path.split("/")[-1],
+    model_optimization=lambda layer: None,  # TF-MOT is tf-keras only
+    update_pruning_step=None,
+    prunable_layers=None,
     # --- model host
     engine=Accumulator,
     model_state_key=None,  # the engine is a Keras saveable

@@ -22,31 +22,11 @@ from gradient_accumulator.core.validation import (
     check_keywords,
     check_positive_float,
 )
+from gradient_accumulator.hosts import causes as known
 from gradient_accumulator.hosts.flavour import Flavour
 
 __all__ = ["LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
 
-_BATCH_NORM = (
-    "the forward pass normalises with each micro-batch's "
-    "statistics, and the moving statistics update once per micro-batch.\n"
-    "    Fix: use gradient_accumulator.AccumBatchNormalization in its place\n"
-    "    (replace_batchnorm_layers(model) converts a model): it updates the\n"
-    "    moving statistics once per update, with the big batch's. Training\n"
-    "    still normalises per micro-batch (docs/batch-norm.md); for exact\n"
-    "    gradients use LayerNormalization or GroupNormalization."
-)
-_ACCUM_BATCH_NORM = (
-    "the forward pass normalises with each micro-batch's statistics "
-    "(AccumBatchNormalization makes the moving statistics the big batch's, not "
-    "the gradients); LayerNormalization or GroupNormalization are exact"
-)
-_RANDOM = "randomness: it draws random numbers per call, so one big batch and {k} "
-_RANDOM += "micro-batches draw different ones"
-_STATEFUL = "non-trainable state updated per call ({k} times per update, not once)"
-_HIDDEN = (
-    "state that get_weights() leaves out ({names}) changed during training: "
-    "it advances per call ({k} times per update, not once)"
-)
 _DOWNSTREAM = "follows from {causes}"
 _UNEXPLAINED = (
     "no known cause in this layer: a loss or layer that couples the samples "
@@ -268,11 +248,21 @@ def run(
     accumulated.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
     _train(reference, x, y, big, checked, "plain, big batch")
     _train(accumulated, x, y, checked.micro_batch_size, checked, "accumulated")
-    changed = [
-        [name for name, variable, start in found if _changed(variable, start)]
-        for found in hidden
-    ]
-    return _report(flavour, reference, accumulated, initial, checked, changed)
+    found_after = []
+    for big_layer, ours_layer, found in zip(
+        reference.layers, accumulated.layers, hidden
+    ):
+        changed = [name for name, variable, start in found if _changed(variable, start)]
+        found_after.append(
+            known.state_causes(
+                flavour, big_layer, ours_layer, changed, checked.accum_steps
+            )
+        )
+    in_batch = known.in_batch_layer(flavour, reference, x)
+    for layer, causes in zip(reference.layers, found_after):
+        if layer.name == in_batch:
+            causes.append(known.IN_BATCH.format(m=checked.micro_batch_size, big=big))
+    return _report(flavour, reference, accumulated, initial, checked, found_after)
 
 
 def _train(model: Any, x: Any, y: Any, batch_size: int, options, run: str) -> None:
@@ -292,7 +282,7 @@ def _train(model: Any, x: Any, y: Any, batch_size: int, options, run: str) -> No
             " verify trains with `fit` and the callbacks that `callbacks()` "
             "returns (none given): a layer that needs a callback while "
             "training (TensorFlow Model Optimization's pruning wrapper needs "
-            "UpdatePruningStep) needs `callbacks=lambda: [...]`."
+            "PruningStepPerUpdate) needs `callbacks=lambda: [...]`."
             if callbacks is None
             else ""
         )
@@ -458,24 +448,6 @@ def _changed(variable: Any, start: np.ndarray) -> bool:
     return not np.array_equal(np.asarray(variable.numpy()), start)
 
 
-def _own_causes(
-    flavour: Flavour, layer: Any, stateful: set[int], accum_steps: int
-) -> list[str]:
-    """Reasons why ``layer`` (or a layer nested in it) cannot match."""
-    causes = []
-    for sub in flavour.sublayers(layer):
-        prefix = "" if sub is layer else f"nested {sub.name} ({type(sub).__name__}): "
-        if isinstance(sub, flavour.public("AccumBatchNormalization")):
-            causes.append(prefix + _ACCUM_BATCH_NORM)
-        elif isinstance(sub, flavour.batch_norms):
-            causes.append(prefix + _BATCH_NORM)
-        elif flavour.draws_random(sub):
-            causes.append(prefix + _RANDOM.format(k=accum_steps))
-        elif any(id(w) in stateful for w in sub.non_trainable_weights):
-            causes.append(prefix + _STATEFUL.format(k=accum_steps))
-    return causes
-
-
 def _compare(
     flavour: Flavour,
     reference: Any,
@@ -519,17 +491,17 @@ def _report(
     accumulated: Any,
     initial: Sequence[Sequence[np.ndarray]],
     options: Options,
-    hidden_changes: Sequence[Sequence[str]],
+    found_after: Sequence[Sequence[str]],
 ) -> VerifyReport:
     tolerance, accum_steps = options.tolerance, options.accum_steps
     checks, moved, stateful = _compare(
         flavour, reference, accumulated, initial, tolerance
     )
     differs = any(not v.ok for vs in checks for v in vs)
-    own = [_own_causes(flavour, x, stateful, accum_steps) for x in reference.layers]
-    for causes, names in zip(own, hidden_changes):
-        if names:
-            causes.append(_HIDDEN.format(names=", ".join(names), k=accum_steps))
+    own = [
+        known.own_causes(flavour, x, stateful, accum_steps) + list(after)
+        for x, after in zip(reference.layers, found_after)
+    ]
     culprits = [layer.name for layer, causes in zip(reference.layers, own) if causes]
     layers = []
     for layer, variables, causes in zip(reference.layers, checks, own):

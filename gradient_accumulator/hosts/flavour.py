@@ -92,6 +92,15 @@ class Flavour:
     draws_random: Callable[[Any], bool]  # whether a layer draws random numbers
     variable_name: Callable[[Any], str]  # a variable's name in its layer
 
+    # --- TensorFlow Model Optimization (hosts/pruning.py, verify; tf-keras)
+    # layer -> ("pruning", its step variable) for TF-MOT's pruning wrapper,
+    # ("quantization", None) for its quantization-aware layers, else None.
+    model_optimization: Callable[[Any], tuple[str, Any] | None]
+    # () -> a new UpdatePruningStep; (that callback) -> the pruning wrappers
+    # it collected. None where TF-MOT cannot be (Keras 3).
+    update_pruning_step: Callable[[], Any] | None
+    prunable_layers: Callable[[Any], list] | None
+
     # --- optimizer host (hosts/optimizer.py)
     # What counts as an optimizer to wrap, and its name in messages.
     optimizer_kinds: tuple

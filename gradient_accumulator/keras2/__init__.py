@@ -11,6 +11,7 @@ from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 from gradient_accumulator.keras2.callbacks import (
     AccumulationScheduler,
     FlushPartialCycle,
+    PruningStepPerUpdate,
 )
 from gradient_accumulator.keras2.convert import replace_batchnorm_layers
 from gradient_accumulator.keras2.model import GradientAccumulateModel
@@ -30,6 +31,7 @@ __all__ = [
     "GradientAccumulateModel",
     "GradientAccumulateOptimizer",
     "LayerCheck",
+    "PruningStepPerUpdate",
     "VariableCheck",
     "VerifyReport",
     "accumulate",

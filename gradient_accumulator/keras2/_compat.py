@@ -7,6 +7,8 @@ fails there, by name.
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import NamedTuple
 
 import tensorflow as tf
@@ -38,9 +40,13 @@ __all__ = [
     "functional_config",
     "loss_scale_variable",
     "loss_terms",
+    "model_optimization",
+    "prunable_layers",
+    "pruning_step",
     "reconstruct_from_config",
     "track_state",
     "untrack_state",
+    "update_pruning_step",
     "wrapping_loss_scaler",
 ]
 
@@ -121,3 +127,68 @@ def loss_terms(model) -> list[LossTerm]:
         for i, loss in enumerate(tf.nest.flatten(losses))
         if loss is not None
     ]
+
+
+# ------------------------------------------- TensorFlow Model Optimization
+# TF-MOT (tf-keras only) is imported when first needed, never by the
+# package's import: it sets TF_USE_LEGACY_KERAS when imported.
+_TFMOT = "tensorflow_model_optimization"
+_TFMOT_INSTALL = (
+    "TensorFlow Model Optimization is not installed: `pip install "
+    "tensorflow-model-optimization` (it needs tf-keras)."
+)
+
+
+def update_pruning_step():
+    """A new ``tfmot.sparsity.keras.UpdatePruningStep`` (TF-MOT's public
+    callback), importing TF-MOT; a clear ImportError without it."""
+    try:
+        from tensorflow_model_optimization.sparsity import keras as sparsity
+    except ImportError as error:
+        raise ImportError(_TFMOT_INSTALL) from error
+    return sparsity.UpdatePruningStep()
+
+
+def prunable_layers(callback) -> list:
+    """The pruning wrappers an ``UpdatePruningStep`` collected from its model
+    at ``on_train_begin``."""
+    return list(callback.prunable_layers)
+
+
+def pruning_step(layer):
+    """A pruning wrapper's step variable (int64, -1 until training begins),
+    which its training call increments and its schedule reads."""
+    return layer.pruning_step
+
+
+@functools.cache
+def _tfmot_classes() -> dict[str, tuple[type, ...]]:
+    from tensorflow_model_optimization.python.core.quantization.keras import (
+        quantize_layer,
+        quantize_wrapper,
+    )
+    from tensorflow_model_optimization.python.core.sparsity.keras import (
+        pruning_wrapper,
+    )
+
+    return {
+        "pruning": (pruning_wrapper.PruneLowMagnitude,),
+        # QuantizeWrapperV2 derives from QuantizeWrapper.
+        "quantization": (
+            quantize_wrapper.QuantizeWrapper,
+            quantize_layer.QuantizeLayer,
+        ),
+    }
+
+
+def model_optimization(layer) -> tuple[str, object] | None:
+    """``("pruning", its step variable)`` for TF-MOT's pruning wrapper,
+    ``("quantization", None)`` for its quantization-aware training layers
+    (the wrappers and the input's ``QuantizeLayer``), else None. Imports
+    nothing: a TF-MOT layer exists only once TF-MOT is imported."""
+    if _TFMOT not in sys.modules:
+        return None
+    for kind, classes in _tfmot_classes().items():
+        if isinstance(layer, classes):
+            return kind, (pruning_step(layer) if kind == "pruning" else None)
+    return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tf_keras
 
-from gradient_accumulator.hosts import training_control
+from gradient_accumulator.hosts import pruning, training_control
 
 
 class AccumulationScheduler(
@@ -46,4 +46,23 @@ class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback
     ends, before tf-keras swaps EMA weights in. For models compiled with a
     tf-keras ``GradientAccumulateOptimizer`` (the model wrapper has its
     ``partial_cycle`` argument). As the Keras 3 ``FlushPartialCycle``.
+    """
+
+
+class PruningStepPerUpdate(pruning.PruningStepLogic, tf_keras.callbacks.Callback):
+    """TensorFlow Model Optimization's ``UpdatePruningStep`` for gradient
+    accumulation: use it in its place (``model.fit(..., callbacks=[
+    PruningStepPerUpdate()])``).
+
+    A pruning wrapper (``tfmot.sparsity.keras.prune_low_magnitude``) adds
+    one to its ``pruning_step`` per training call, so with ``accum_steps``
+    micro-batches per update its pruning schedule would run ``accum_steps``
+    times too fast. This callback does what ``UpdatePruningStep`` does (it
+    runs TF-MOT's) and, before every batch, sets each wrapper's step to the
+    optimizer updates applied so far (``model.optimizer.iterations``): the
+    masks and weights are then the big batch's, for the model wrapper,
+    ``accumulate()`` and the optimizer wrapper alike. Without accumulation
+    it trains as ``UpdatePruningStep`` with a fresh optimizer does, so one
+    callback list serves both. Needs ``tensorflow-model-optimization``
+    (imported when the callback is made). See docs/recipes-tf-keras.md.
     """

@@ -251,6 +251,9 @@ FLAVOUR = Flavour.from_namespace(
     draws_random=draws_random,
     # "dense/kernel:0" -> "kernel"
     variable_name=lambda variable: variable.name.split("/")[-1].split(":")[0],
+    model_optimization=_compat.model_optimization,
+    update_pruning_step=_compat.update_pruning_step,
+    prunable_layers=_compat.prunable_layers,
     # --- model host
     engine=Engine,
     model_state_key="accumulator:",

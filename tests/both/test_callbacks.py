@@ -237,3 +237,22 @@ def test_a_fit_without_the_callback_keeps_its_partial_cycle():
     # 5 more micro-batches: one more cycle, one micro-batch still pending.
     assert int(model.optimizer.iterations) == 3
     assert model.optimizer._accumulator.pending == 1
+
+
+def test_pruning_step_per_update_is_for_tf_keras():
+    """TensorFlow Model Optimization is tf-keras only, and so is its callback
+    (its behaviour: tests/keras2/test_pruning.py)."""
+    import gradient_accumulator as ga
+
+    if LEGACY_KERAS:
+        from gradient_accumulator.keras2 import PruningStepPerUpdate
+
+        assert ga.PruningStepPerUpdate is PruningStepPerUpdate
+        assert issubclass(PruningStepPerUpdate, keras.callbacks.Callback)
+        return
+    message = r"is for tf-keras \(TF_USE_LEGACY_KERAS=1\), as TensorFlow Model"
+    with pytest.raises(ImportError, match=message):
+        from gradient_accumulator import PruningStepPerUpdate
+    with pytest.raises(ImportError, match=message):
+        ga.PruningStepPerUpdate  # noqa: B018
+    assert "PruningStepPerUpdate" not in ga.__all__

@@ -430,3 +430,69 @@ def test_callbacks_are_new_for_each_run_and_a_failed_run_is_named():
         match=r"(?s)training the plain, big batch run .* `callbacks=lambda",
     ):
         verify(mlp, x, y.astype("float32") + 0.5, loss="categorical_crossentropy")
+
+
+# ------------------------------------------------------- in-batch negatives
+class InBatchScores(layers.Layer):
+    """Each query's score against every candidate of the batch: a retrieval
+    model's in-batch negatives."""
+
+    def call(self, inputs):
+        queries, candidates = inputs
+        return tf.matmul(queries, candidates, transpose_b=True)
+
+
+def in_batch_loss(y_true, scores):
+    """Softmax cross-entropy of each query's own candidate (the diagonal)
+    against the batch's others."""
+    labels = tf.range(tf.shape(scores)[0])
+    return tf.nn.sparse_softmax_cross_entropy_with_logits(labels, scores)
+
+
+def retrieval():
+    query = keras.Input((8,), name="query")
+    candidate = keras.Input((8,), name="candidate")
+    q = layers.Dense(6, name="query_tower")(query)
+    c = layers.Dense(6, name="candidate_tower")(candidate)
+    scores = InBatchScores(name="scores")([q, c])
+    return keras.Model([query, candidate], scores)
+
+
+def test_in_batch_negatives_are_named():
+    x, _ = classification_data(n=96)
+    rng = np.random.default_rng(3)
+    pairs = [x, (x + 0.3 * rng.normal(size=x.shape)).astype("float32")]
+    report = verify(
+        retrieval,
+        pairs,
+        np.zeros((96, 1), "float32"),
+        micro_batch_size=8,
+        accum_steps=4,
+        loss=in_batch_loss,
+        optimizer=keras.optimizers.SGD(0.5),
+    )
+    assert not report.ok, str(report)
+    assert [c.name for c in report.causes] == ["scores"], str(report)
+    (cause,) = report.causes
+    assert "in-batch negatives" in cause.reason
+    assert "its own 8 candidates, not the big batch's 32" in cause.reason
+    towers = {x.name: x for x in report.failing_layers}
+    assert {"query_tower", "candidate_tower"} <= set(towers), str(report)
+    assert "follows from scores" in towers["query_tower"].reason
+
+
+def per_step():
+    """Three scores for each of 3 steps: axis 1 is the sequence's, 3 for
+    any batch size (the size of one of the probe's batches too)."""
+    inputs = keras.Input((3, 8))
+    h = layers.Dense(6, activation="tanh", name="per_step")(inputs)
+    return keras.Model(inputs, layers.Dense(3, name="head")(h))
+
+
+def test_a_sequence_axis_is_not_taken_for_in_batch_negatives():
+    x, y = classification_data(n=96)
+    x = np.stack([x, x[::-1], 0.5 * x], axis=1)
+    y = np.stack([y, y[::-1], y], axis=1)
+    report = verify(per_step, x, y, micro_batch_size=8, loss=LOSS)
+    assert report.ok, str(report)
+    assert report.moved > 1e-3

@@ -2,6 +2,8 @@
 (``gradient_accumulator/keras2/_compat.py``) behaves as they need, and the
 package's public names are the tf-keras hosts where ``tf.keras`` is tf-keras."""
 
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -9,6 +11,7 @@ import tf_keras
 
 import gradient_accumulator as ga
 from gradient_accumulator.keras2 import _compat as compat
+from tests.processes import TIMEOUT, describe, run_script
 
 
 def _functional():
@@ -168,3 +171,79 @@ def test_loss_scale_optimizer_v3_is_the_class_of_a_current_optimizers_scaler():
     model = _functional()
     model.compile(tf_keras.optimizers.SGD(), loss="mse")
     assert type(model.optimizer) is compat.LossScaleOptimizerV3
+
+
+# ------------------------------------------- TensorFlow Model Optimization
+def _pruned_model():
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    inputs = tf_keras.Input((3,))
+    hidden = tf_keras.layers.Dense(4)(inputs)
+    outputs = sparsity.prune_low_magnitude(tf_keras.layers.Dense(2))(hidden)
+    return tf_keras.Model(inputs, outputs)
+
+
+def test_update_pruning_step_is_tfmots_callback():
+    from tensorflow_model_optimization.sparsity import keras as sparsity
+
+    assert type(compat.update_pruning_step()) is sparsity.UpdatePruningStep
+
+
+def test_update_pruning_step_without_tfmot_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_model_optimization.sparsity", None)
+    with pytest.raises(ImportError, match="pip install tensorflow-model-optimization"):
+        compat.update_pruning_step()
+
+
+def test_prunable_layers_are_the_wrappers_the_callback_collected():
+    model = _pruned_model()
+    callback = compat.update_pruning_step()
+    callback.set_model(model)
+    assert compat.prunable_layers(callback) == []
+    callback.on_train_begin()
+    assert compat.prunable_layers(callback) == [model.layers[-1]]
+
+
+def test_pruning_step_is_the_step_a_training_call_advances():
+    model = _pruned_model()
+    step = compat.pruning_step(model.layers[-1])
+    assert step.dtype == tf.int64 and int(step) == -1
+    step.assign(4)
+    model(np.ones((2, 3), "float32"), training=True)
+    assert int(step) == 5
+    model(np.ones((2, 3), "float32"), training=False)
+    assert int(step) == 5
+
+
+def test_model_optimization_tells_tfmots_layers():
+    import tensorflow_model_optimization as tfmot
+
+    pruned = _pruned_model()
+    kind, step = compat.model_optimization(pruned.layers[-1])
+    assert kind == "pruning" and step is compat.pruning_step(pruned.layers[-1])
+    assert compat.model_optimization(pruned.layers[1]) is None
+    quantized = tfmot.quantization.keras.quantize_model(
+        tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    )
+    names = {
+        type(layer).__name__: compat.model_optimization(layer)
+        for layer in quantized.layers
+    }
+    assert names == {
+        "QuantizeLayer": ("quantization", None),
+        "QuantizeWrapperV2": ("quantization", None),
+    }
+
+
+def test_tfmot_is_imported_by_the_callback_not_the_package():
+    script = (
+        "import sys, gradient_accumulator as ga\n"
+        "cls = ga.PruningStepPerUpdate\n"
+        "assert 'tensorflow_model_optimization' not in sys.modules\n"
+        "cls()\n"
+        "assert 'tensorflow_model_optimization' in sys.modules\n"
+        "print('imported on use')\n"
+    )
+    result = run_script("-c", script, timeout=TIMEOUT)
+    assert result.returncode == 0, describe(result)
+    assert "imported on use" in result.stdout, describe(result)
