@@ -267,6 +267,11 @@ class ModelHost(Flavoured):
         pending = accumulator.pending
         with self.distribute_strategy.scope():
             rebuilt = accumulator.build(self.trainable_variables)
+            if not self._flavour.optimizer_built(self.optimizer):
+                # Keras builds the optimizer at its first apply when no
+                # strategy is set, inside the first trace: tf.function then
+                # traces the step a second time, as variables were created.
+                self._flavour.build_optimizer(self.optimizer, self.trainable_variables)
         if rebuilt and pending:
             warnings.warn(
                 f"{_NAME}: the trainable variables changed, so "
