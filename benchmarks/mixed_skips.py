@@ -182,6 +182,9 @@ def build(kind: str, policy: str, args) -> keras.Model:
             optimizer, initial_scale=args.initial_scale
         )
     model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    # Built before fit (for every run alike): Keras otherwise builds it inside
+    # the first trace, and tf.function then traces the whole step again.
+    model.optimizer.build(model.trainable_variables)
     return model
 
 
