@@ -72,10 +72,14 @@ def test_overhead_benchmark_quick_prints_table():
     assert any(line.startswith(target) for line in lines), describe(result)
 
 
-def test_epoch_benchmark_quick_prints_table_and_targets():
-    result = run_script("benchmarks/epoch.py", "--quick")
+def test_epoch_benchmark_quick_prints_table_and_targets(tmp_path):
+    """Its table and verdicts, and with ``--plot`` (the benchmarks page's
+    figure, tests/test_docs.py) the figure too, the table left as it was."""
+    result = run_script("benchmarks/epoch.py", "--quick", "--plot", str(tmp_path))
     assert result.returncode == 0, describe(result)
     assert_quiet(result)
+    figure = tmp_path / "epoch-time-ratios.png"
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", describe(result)
     lines = result.stdout.splitlines()
     header = "| variant | batch | ms/epoch | vs plain-big | vs keras-builtin |"
     assert any(line.startswith(header) for line in lines), describe(result)
@@ -101,9 +105,10 @@ def test_epoch_benchmark_quick_prints_table_and_targets():
             rf"^target {re.escape(target)}: wall {number}x \((holds|does not hold)\)"
         )
         assert any(verdict_line.match(line) for line in lines), describe(result)
-    assert verdict(result).startswith("Targets holding on wall clock: "), describe(
-        result
-    )
+    # --plot adds one line after the verdict, naming the figure.
+    *_, summary, plotted = [line for line in lines if line.strip()]
+    assert summary.startswith("Targets holding on wall clock: "), describe(result)
+    assert plotted == f"plot written to {figure}", describe(result)
 
 
 def test_versions_benchmark_quick_compares_two_checkouts():
