@@ -252,8 +252,22 @@ class ModelHost(Flavoured):
         if self.train_function is not None and not force:
             return self.train_function
         self._sync_state()
+        self._build_optimizer()
         self._plan_step()
         return super().make_train_function(force=force)
+
+    def _build_optimizer(self) -> None:
+        """Builds the optimizer for the variables the step will train, as its
+        first apply would (eager; not at compile, after which a user may still
+        change the optimizer's settings or the trainable set)."""
+        # Keras builds it at its first apply when no strategy is set, inside
+        # the first trace: tf.function then traces the step a second time, as
+        # variables were created.
+        if not self.built or not self.weights or self.optimizer is None:
+            return
+        if not self._flavour.optimizer_built(self.optimizer):
+            with self.distribute_strategy.scope():
+                self._flavour.build_optimizer(self.optimizer, self.trainable_variables)
 
     def _sync_state(self) -> None:
         """Builds the accumulation state for the current trainable variables
@@ -267,11 +281,6 @@ class ModelHost(Flavoured):
         pending = accumulator.pending
         with self.distribute_strategy.scope():
             rebuilt = accumulator.build(self.trainable_variables)
-            if not self._flavour.optimizer_built(self.optimizer):
-                # Keras builds the optimizer at its first apply when no
-                # strategy is set, inside the first trace: tf.function then
-                # traces the step a second time, as variables were created.
-                self._flavour.build_optimizer(self.optimizer, self.trainable_variables)
         if rebuilt and pending:
             warnings.warn(
                 f"{_NAME}: the trainable variables changed, so "
