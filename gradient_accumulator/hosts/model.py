@@ -252,22 +252,9 @@ class ModelHost(Flavoured):
         if self.train_function is not None and not force:
             return self.train_function
         self._sync_state()
-        self._build_optimizer()
+        _build_optimizer(self)
         self._plan_step()
         return super().make_train_function(force=force)
-
-    def _build_optimizer(self) -> None:
-        """Builds the optimizer for the variables the step will train, as its
-        first apply would (eager; not at compile, after which a user may still
-        change the optimizer's settings or the trainable set)."""
-        # Keras builds it at its first apply when no strategy is set, inside
-        # the first trace: tf.function then traces the step a second time, as
-        # variables were created.
-        if not self.built or not self.weights or self.optimizer is None:
-            return
-        if not self._flavour.optimizer_built(self.optimizer):
-            with self.distribute_strategy.scope():
-                self._flavour.build_optimizer(self.optimizer, self.trainable_variables)
 
     def _sync_state(self) -> None:
         """Builds the accumulation state for the current trainable variables
@@ -459,6 +446,16 @@ def restored(flavour: Flavour, settings: dict) -> dict:
         return settings
     function = flavour.keras.saving.deserialize_keras_object(value)
     return {**settings, "loss_denominator": function}
+
+
+def _build_optimizer(model: ModelHost) -> None:
+    """Builds the optimizer before the step is traced: without a strategy
+    Keras builds it in the first trace, and tf.function then traces again.
+    (At fit, not compile: a user may still change it in between.)"""
+    flavour = model._flavour
+    if model.built and model.weights and not flavour.optimizer_built(model.optimizer):
+        with model.distribute_strategy.scope():
+            flavour.build_optimizer(model.optimizer, model.trainable_variables)
 
 
 def _partial_cycles(keras) -> type:
