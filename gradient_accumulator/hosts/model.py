@@ -450,14 +450,11 @@ def restored(flavour: Flavour, settings: dict) -> dict:
 
 def _build_optimizer(model: ModelHost) -> None:
     """Builds the optimizer before the step is traced: without a strategy
-    Keras 3 builds it in the first trace, and tf.function then traces again.
-    (At fit, not compile: a user may still change it in between. Not in
-    tf-keras, whose step under a strategy was checked reduction by reduction
-    with the optimizer built in the trace.)"""
+    Keras builds it in the first trace, and tf.function then traces again.
+    (At fit, not compile: a user may still change it in between. A legacy
+    tf-keras optimizer still makes its slots at its first apply.)"""
     flavour = model._flavour
-    if not (flavour.builds_optimizer and model.built and model.weights):
-        return
-    if not flavour.optimizer_built(model.optimizer):
+    if model.built and model.weights and not flavour.optimizer_built(model.optimizer):
         with model.distribute_strategy.scope():
             flavour.build_optimizer(model.optimizer, model.trainable_variables)
 

@@ -1,5 +1,4 @@
-"""The model wrapper's ``fit`` traces its train step once in Keras 3, and as
-often as plain tf-keras does in tf-keras.
+"""The model wrapper's ``fit`` traces its train step once, in each Keras.
 
 Without a strategy, Keras builds the optimizer at its first apply, inside the
 first trace; a ``tf.function`` that created variables is traced a second
@@ -12,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from gradient_accumulator import GradientAccumulateModel
-from tests.flavour import LEGACY_KERAS, keras, utils
+from tests.flavour import keras, utils
 
 B = 4  # micro-batch
 K = 4  # micro-batches per update
@@ -55,10 +54,9 @@ def test_first_fit_traces_the_step_once_and_matches_the_big_batch(optimizer):
     utils.fit(plain, x, y, batch_size=K * B, epochs=2)
     utils.fit(ours, x, y, batch_size=B, epochs=2)
 
-    # What the wrapper saves: Keras' own trace count for the same fit. (The
-    # tf-keras host leaves its optimizer's build to the first apply.)
+    # What the wrapper saves: Keras' own trace count for the same fit.
     assert len(plain_traces) == 2, plain_traces
-    assert len(traces) == (2 if LEGACY_KERAS else 1), (traces, plain_traces)
+    assert len(traces) == 1, (traces, plain_traces)
     assert int(ours.optimizer.iterations) == int(plain.optimizer.iterations) == 4
     utils.assert_trained(initial, utils.weights(plain))
     utils.assert_same_weights(utils.weights(ours), utils.weights(plain))
