@@ -48,7 +48,7 @@ def _big_batch(kind, strategy=None):
             model = _model(_counting(tf_keras.Model))
             model.compile(_optimizer(kind), "mse")
         model.fit(x, y, batch_size=MICRO * STEPS, epochs=2, shuffle=False, verbose=0)
-    counts["traces"] = model.traces // strategy.num_replicas_in_sync
+    counts["traces"] = _traces(model, strategy)
     return model.get_weights(), counts
 
 
@@ -64,6 +64,11 @@ def _counting(cls):
             return super().train_step(data)
 
     return Counting
+
+
+def _traces(model, strategy) -> int:
+    """The traces of a ``_counting`` model's train step under ``strategy``."""
+    return model.traces // strategy.num_replicas_in_sync
 
 
 @contextlib.contextmanager
@@ -116,7 +121,7 @@ def test_mirrored_matches_the_big_batch_with_one_reduction(wrapper, kind, mirror
     # already, reduces nothing. Per trace: the model wrapper builds a
     # non-legacy optimizer before tracing, so it traces once where plain
     # tf-keras traces twice.
-    traces = model.traces // strategy.num_replicas_in_sync
+    traces = _traces(model, strategy)
     assert plain["batch_reduce_to"] == plain["traces"] >= 1, plain
     assert counts["batch_reduce_to"] == 0, (counts, plain)
     metric_reads = plain["reduce_to"] / plain["traces"]
