@@ -59,8 +59,10 @@ def accumulate(
         accum_steps: micro-batches per optimizer update, an ``int >= 1``.
         micro_batch_size: ``None``, or slice each ``fit`` batch into this
             many samples inside the step (in-step micro-batching).
-        partial_cycle: ``"carry"``, ``"flush"`` or ``"drop"`` an incomplete
-            cycle at each epoch end.
+        partial_cycle: ``"auto"`` (the big batch's epochs: flush an
+            incomplete cycle at the end of a pass over the data, carry it
+            across epochs cut by ``steps_per_epoch``), ``"carry"``,
+            ``"flush"`` or ``"drop"`` it at each epoch end.
         flush_at_end: flush a carried partial cycle when ``fit`` ends.
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``;
             True skips the cycle. Not saved in ``.keras`` files.

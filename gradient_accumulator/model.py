@@ -41,9 +41,13 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
         experimental_distributed_support: accepted for 0.5.x compatibility and
             ignored.
         partial_cycle: what happens at the end of each epoch to micro-batches
-            that do not fill a cycle: ``"carry"`` (default) them into the next
-            epoch, ``"flush"`` them (apply them as one smaller big batch) or
-            ``"drop"`` them.
+            that do not fill a cycle: ``"auto"`` (default) trains like the
+            big batch, epoch by epoch: an epoch that is a pass over the data
+            applies them as its last, shorter update (as plain Keras' last
+            batch is short), and epochs cut from a stream by
+            ``steps_per_epoch`` carry them on; ``"carry"`` them into the next
+            epoch always (the default before 1.0), ``"flush"`` them (apply
+            them as one smaller big batch) always, or ``"drop"`` them.
         flush_at_end: flush a carried partial cycle when ``fit`` ends, so no
             data is silently left unapplied (default ``True``).
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,

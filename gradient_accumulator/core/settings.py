@@ -43,7 +43,10 @@ class Settings:
     clip_factor: float = CLIP_FACTOR
     eps: float = EPS
     micro_batch_size: int | None = None
-    partial_cycle: str = "carry"
+    # "auto": each epoch that is a pass over the data ends its last cycle
+    # short, as plain Keras' last batch; epochs cut from a stream by
+    # steps_per_epoch carry it on (hosts/partial_cycles.py).
+    partial_cycle: str = "auto"
     flush_at_end: bool = True
     progress_logs: bool = False
     # A function: not saved in files (see SAVED).

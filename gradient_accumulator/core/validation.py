@@ -46,7 +46,7 @@ def check_positive_float(name: str, value) -> float:
     return float(value)
 
 
-PARTIAL_CYCLE = ("carry", "flush", "drop")
+PARTIAL_CYCLE = ("auto", "carry", "flush", "drop")
 LOSS_DENOMINATORS = ("samples", "sum")
 
 

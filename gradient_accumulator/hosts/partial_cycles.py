@@ -1,6 +1,7 @@
-"""When a model wrapper ends a partial cycle during ``fit``: the callbacks
-each host's ``fit`` adds, written once for Keras 3 and tf-keras (a host mixes
-:class:`PartialCycles` into its Keras' ``Callback``)."""
+"""When a model wrapper ends a partial cycle during ``fit``: the policy of
+one ``fit`` call and the callbacks each host's ``fit`` adds to apply it,
+written once for Keras 3 and tf-keras (a host mixes :class:`PartialCycles`
+into its Keras' ``Callback``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,21 @@ import inspect
 from collections.abc import Callable
 
 
+def epoch_end_policy(partial_cycle: str, steps_per_epoch) -> str:
+    """What one ``fit`` does at each epoch end: ``partial_cycle``, with
+    ``"auto"`` resolved. An epoch that is a pass over the data (no
+    ``steps_per_epoch``) ends like plain Keras' epoch, whose last batch is
+    short: ``"flush"``. Epochs cut from a stream by ``steps_per_epoch`` are
+    spans of one stream of batches, which plain Keras never cuts short:
+    ``"carry"``."""
+    if partial_cycle != "auto":
+        return partial_cycle
+    return "flush" if steps_per_epoch is None else "carry"
+
+
 class PartialCycles:
-    """Applies the model's ``partial_cycle`` policy at epoch and fit ends.
+    """Applies one ``fit``'s epoch-end ``policy`` (``"carry"``, ``"flush"``
+    or ``"drop"``, see :func:`epoch_end_policy`) at epoch and fit ends.
 
     ``fit`` gets two: the first in its callback list acts at every epoch end
     (before other callbacks see the weights); the ``closing`` one, last,
@@ -18,9 +32,10 @@ class PartialCycles:
     swaps EMA weights in (``finalize_variable_values``) between the two.
     """
 
-    def __init__(self, model, closing: bool = False):
+    def __init__(self, model, policy: str, closing: bool = False):
         super().__init__()
         self._owner = model
+        self._policy = policy
         self._closing = closing
 
     def _end_fit(self) -> None:
@@ -30,7 +45,7 @@ class PartialCycles:
         if end is not None:
             owner._end_of_fit = None
             end()
-        if owner._partial_cycle == "drop":
+        if self._policy == "drop":
             owner.drop_partial_cycle()
         elif owner._flush_at_end:
             owner.flush()
@@ -40,9 +55,9 @@ class PartialCycles:
         if self._closing:
             if owner.stop_training:
                 self._end_fit()
-        elif owner._partial_cycle == "flush":
+        elif self._policy == "flush":
             owner.flush()
-        elif owner._partial_cycle == "drop":
+        elif self._policy == "drop":
             owner.drop_partial_cycle()
         elif epoch + 1 >= (getattr(self, "params", None) or {}).get("epochs", 0):
             self._end_fit()
@@ -74,9 +89,11 @@ def fit_with_partial_cycles(
         )
         place = bound.arguments.setdefault(extra, {})
     callbacks = place.get("callbacks")
+    policy = epoch_end_policy(model._partial_cycle, place.get("steps_per_epoch"))
     # First, so that other callbacks see the weights after a flush; a second
     # one last, which sees whether a callback stopped training.
-    head, tail = callback(model), callback(model, closing=True)
+    head = callback(model, policy)
+    tail = callback(model, policy, closing=True)
     if isinstance(callbacks, callback_list):
         callbacks.callbacks.insert(0, head)
         callbacks.callbacks.append(tail)
