@@ -5,6 +5,7 @@ tf-keras; the flavour tells them)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,18 @@ IN_BATCH = (
     "sample scored against the batch's own candidates), so each micro-batch "
     "sees only its own {m} candidates, not the big batch's {big}: not exact "
     "(the loss couples the samples of a batch)"
+)
+
+SPARSE_ROWS = (
+    "sparse rows: the big batch's {optimizer} takes this layer's sparse "
+    "gradient (IndexedSlices) row by row, and {repeated} of the {rows} rows "
+    "one big batch gathers occur more than once (a padding or frequent "
+    "token): {optimizer} updates with each occurrence apart (Adam's second "
+    "moment: the sum of their squares, not the square of their sum), while "
+    "accumulation sums the micro-batches' gradients first and applies them "
+    "dense. The accumulated run is the mathematically dense one: it equals "
+    "the big batch with its gradient made dense (SGD, with or without "
+    'momentum, gives both the same). See docs/verify.md, "Sparse rows"'
 )
 
 
@@ -133,8 +146,11 @@ def in_batch_layer(flavour: Flavour, model: Any, x: Any) -> str | None:
     try:
         probe = flavour.keras.Model(model.inputs, tensors)
         shapes = [_traced_shapes(probe, x, n) for n in (2, 3)]
-    except Exception:
-        # A diagnosis only: a model the probe cannot trace names no cause.
+    except (ValueError, TypeError, NotImplementedError, tf.errors.OpError):
+        # A diagnosis only: outputs that make no model (a disconnected graph,
+        # a layer's own input) or a model that cannot be traced for other
+        # batch sizes (a fixed batch dimension) name no cause. Any other
+        # error is a fault and is raised.
         return None
     for name, two, three in zip(names, *shapes):
         if len(two) >= 2 and (two[1], three[1]) == (2, 3):
@@ -151,3 +167,80 @@ def _traced_shapes(probe: Any, x: Any, size: int) -> list[tuple]:
     function = tf.function(lambda inputs: probe(inputs, training=False))
     outputs = function.get_concrete_function(specs).structured_outputs
     return [tuple(t.shape) for t in tf.nest.flatten(outputs)]
+
+
+def sparse_rows_causes(
+    flavour: Flavour, model: Any, x: Any, new_optimizer: Callable[[], Any]
+) -> dict[str, str]:
+    """``{layer name: cause}`` for the layers of ``model`` with a sparse
+    gradient whose rows repeat in the big batch ``x``, when an optimizer
+    from ``new_optimizer`` does not take repeated rows as their sum."""
+    repeated = repeated_sparse_rows(model, x)
+    if not repeated or sums_repeated_rows(flavour, new_optimizer):
+        return {}
+    causes = {}
+    for layer in model.layers:
+        found = [repeated.get(id(tf_variable(w))) for w in layer.trainable_weights]
+        found = [counts for counts in found if counts is not None]
+        if found:
+            causes[layer.name] = SPARSE_ROWS.format(
+                optimizer=type(new_optimizer()).__name__,
+                repeated=found[0][0],
+                rows=found[0][1],
+            )
+    return causes
+
+
+def repeated_sparse_rows(model: Any, x: Any) -> dict[int, tuple[int, int]]:
+    """``{id(variable): (repeated, rows)}`` for each trainable variable of
+    ``model`` whose gradient on the batch ``x`` is sparse (an
+    ``IndexedSlices``, as an embedding's) and holds a row more than once
+    with a non-zero value (a masked token's rows are zero: they change
+    nothing). Runs ``model`` once in inference, with the sum of its float
+    outputs as the loss: which rows a gradient holds does not depend on the
+    loss."""
+    variables = model.trainable_variables
+    if len(model.inputs) == 1 and not isinstance(x, list | tuple | dict):
+        x = [x]  # the structure the model was built with (no Keras warning)
+    with tf.GradientTape() as tape:
+        outputs = tf.nest.flatten(model(x, training=False))
+        total = tf.add_n(
+            [
+                tf.reduce_sum(tf.cast(o, tf.float32))
+                for o in outputs
+                if o.dtype.is_floating
+            ]
+        )
+    found = {}
+    for variable, gradient in zip(variables, tape.gradient(total, variables)):
+        if not isinstance(gradient, tf.IndexedSlices):
+            continue
+        values = gradient.values.numpy().reshape(len(gradient.indices), -1)
+        indices = gradient.indices.numpy()[np.any(values != 0, axis=1)]
+        rows, counts = np.unique(indices, return_counts=True)
+        if np.any(counts > 1):
+            found[id(tf_variable(variable))] = (int(np.sum(counts > 1)), len(rows))
+    return found
+
+
+def sums_repeated_rows(flavour: Flavour, new_optimizer: Callable[[], Any]) -> bool:
+    """Whether an optimizer from ``new_optimizer`` applies a sparse gradient
+    that holds a row twice as it applies the dense sum of the two (SGD does;
+    Keras 3's Adam and any norm clipping do not; tf-keras' optimizers add
+    repeated rows up first). Told by applying both, once, to two zeroed
+    embedding tables."""
+    tables = []
+    for gradient in (
+        tf.IndexedSlices(tf.ones((2, 1)), tf.constant([0, 0]), tf.constant([2, 1])),
+        tf.constant([[2.0], [0.0]]),
+    ):
+        layer = flavour.keras.layers.Embedding(2, 1, embeddings_initializer="zeros")
+        layer.build((None,))
+        new_optimizer().apply_gradients([(gradient, layer.embeddings)])
+        tables.append(np.asarray(layer.embeddings)[0])
+    return bool(np.allclose(*tables, rtol=1e-6, atol=0.0))
+
+
+def tf_variable(variable: Any) -> Any:
+    """The TensorFlow variable behind a Keras 3 variable (tf-keras' are)."""
+    return variable if isinstance(variable, tf.Variable) else variable.value

@@ -233,6 +233,7 @@ def run(
     reference = flavour.keras.Model(source.inputs, source.outputs)
     flavour.keras.utils.set_random_seed(int(checked.seed))
     template = _build(flavour, model_fn)
+    _check_independent(source, template)
     accumulated = flavour.public("GradientAccumulateModel")(
         accum_steps=checked.accum_steps,
         inputs=template.inputs,
@@ -259,9 +260,17 @@ def run(
             )
         )
     in_batch = known.in_batch_layer(flavour, reference, x)
+    sparse = known.sparse_rows_causes(
+        flavour,
+        reference,
+        _take(x, "x", big),
+        lambda: _new_optimizer(flavour, optimizer),
+    )
     for layer, causes in zip(reference.layers, found_after):
         if layer.name == in_batch:
             causes.append(known.IN_BATCH.format(m=checked.micro_batch_size, big=big))
+        if layer.name in sparse:
+            causes.append(sparse[layer.name])
     return _report(flavour, reference, accumulated, initial, checked, found_after)
 
 
@@ -337,6 +346,29 @@ def _build(flavour: Flavour, model_fn: Callable[[], Any]) -> Any:
     return model
 
 
+def _check_independent(first: Any, second: Any) -> None:
+    """Refuses two builds that share variables: both runs would train the
+    same layers (and compare them with themselves)."""
+    held = {id(known.tf_variable(w)) for w in first.weights}
+    shared = [w for w in second.weights if id(known.tf_variable(w)) in held]
+    if second is first or shared:
+        given = (
+            "the same model twice (as `lambda: model` returns)"
+            if second is first
+            else f"two models sharing {len(shared)} variable(s) (as models "
+            "built over one model's layers are)"
+        )
+        raise ValueError(
+            "`model_fn` must build a new model on every call: verify trains "
+            "two models from the same initial weights, and a model (or layer) "
+            f"returned again would train in both runs. Received {given}. "
+            "Write a function that creates new "
+            "layers (`def build(): inputs = keras.Input(...); ...; return "
+            "keras.Model(inputs, outputs)`), or for a model you have pass "
+            "`lambda: keras.models.clone_model(model)`."
+        )
+
+
 def _optimizer_spec(flavour: Flavour, optimizer: Any, model: Any) -> Any:
     accumulating = flavour.public("GradientAccumulateOptimizer")
     if optimizer is None:
@@ -399,19 +431,22 @@ def _hidden_state(flavour: Flavour, layer: Any) -> list[tuple[str, Any, np.ndarr
         for sub in layers
         for i, w in enumerate(sub.weights)
     ]
-    known = {id(_raw(w)) for w, covered in held if covered}
+    weights_ids = {id(known.tf_variable(w)) for w, covered in held if covered}
     seen = {id(sub) for sub in layers}
     found: dict[int, tuple[str, Any]] = {}
     for variable, covered in held:
-        if not covered and id(_raw(variable)) not in known:
-            found[id(_raw(variable))] = (_short_name(variable), _raw(variable))
+        if not covered and id(known.tf_variable(variable)) not in weights_ids:
+            found[id(known.tf_variable(variable))] = (
+                _short_name(variable),
+                known.tf_variable(variable),
+            )
 
     def visit(value: Any, name: str, depth: int) -> None:
         if id(value) in seen or depth > 3:
             return
         seen.add(id(value))
         if isinstance(value, tf.Variable):
-            if id(value) not in known:
+            if id(value) not in weights_ids:
                 found.setdefault(id(value), (_short_name(value), value))
             return
         if isinstance(value, str | bytes | numbers.Number | np.ndarray | tf.Tensor):
@@ -438,10 +473,6 @@ def _hidden_state(flavour: Flavour, layer: Any) -> list[tuple[str, Any, np.ndarr
 
 def _short_name(variable: Any) -> str:
     return variable.name.split("/")[-1].split(":")[0]
-
-
-def _raw(variable: Any) -> Any:
-    return variable if isinstance(variable, tf.Variable) else variable.value
 
 
 def _changed(variable: Any, start: np.ndarray) -> bool:
