@@ -216,8 +216,12 @@ def swap_pretrained(pretrained: keras.Model, x, y, x_test, y_test, args) -> floa
     before = pretrained.predict(x_test, verbose=0)
     after = swapped.predict(x_test, verbose=0)
     diff = float(np.max(np.abs(before - after)))
-    kinds = sorted({type(layer).__name__ for layer in swapped.layers})
-    print(f"swapped layers: {', '.join(kinds)}")
+    swaps = [
+        f"{new.name} ({type(old).__name__} -> {type(new).__name__})"
+        for old, new in zip(pretrained.layers, swapped.layers)
+        if type(old) is not type(new)
+    ]
+    print(f"swapped layers: {', '.join(swaps) or 'none'}")
     print(f"max |prediction after swap - before| = {diff:.3g}")
     model = GradientAccumulateModel(
         accum_steps=args.accum_steps, inputs=swapped.inputs, outputs=swapped.outputs

@@ -552,5 +552,9 @@ def test_batch_norm_example_quick_matches_big_batch_statistics():
     swap = re.search(r"max \|prediction after swap - before\| = (\S+)", result.stdout)
     assert swap, describe(result)
     assert float(swap.group(1)) <= 1e-5, describe(result)
-    assert "swapped layers: AccumBatchNormalization," in result.stdout
+    # Exactly the two BatchNormalization layers, named, and nothing else.
+    assert (
+        "swapped layers: input_norm (BatchNormalization -> AccumBatchNormalization), "
+        "conv_norm (BatchNormalization -> AccumBatchNormalization)\n"
+    ) in result.stdout, describe(result)
     assert verdict(result).startswith("OK: AccumBatchNormalization's"), describe(result)
