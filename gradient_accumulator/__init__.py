@@ -9,16 +9,21 @@ programs' quiet start-up (``_quiet.quiet_tensorflow``): they answer ``--help``
 without loading TensorFlow, and load it quietly before anything else does.
 """
 
-from __future__ import annotations
+# Modules and helpers under private names: dir(gradient_accumulator) and
+# tab completion show the public names only.
+import importlib as _importlib
+import itertools as _itertools
+import os as _os
+import sys as _sys
+import types as _types
 
-import importlib
-import itertools
-import os
-import sys
-import types
-
-from gradient_accumulator._requirements import check_installed, legacy_keras_requested
-from gradient_accumulator._version import __version__
+from gradient_accumulator._requirements import (
+    check_installed as _check_installed,
+)
+from gradient_accumulator._requirements import (
+    legacy_keras_requested as _legacy_keras_requested,
+)
+from gradient_accumulator._version import __version__ as __version__
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
@@ -40,27 +45,6 @@ _EXPORTS = {
     "unitwise_norm": "agc",
     "verify": "verify",
 }
-
-__all__ = [
-    "AccumBatchNormalization",
-    "AccumulationScheduler",
-    "Accumulator",
-    "FlushPartialCycle",
-    "GradientAccumulateModel",
-    "GradientAccumulateOptimizer",
-    "LayerCheck",
-    "VariableCheck",
-    "VerifyReport",
-    "__version__",
-    "accumulate",
-    "adaptive_clip_grad",
-    "compute_norm",
-    "replace_batchnorm_layers",
-    "stop_accumulating",
-    "unitwise_norm",
-    "verify",
-]
-
 
 # Where tf.keras is tf-keras (TF_USE_LEGACY_KERAS=1), the public names are
 # the tf-keras hosts' (gradient_accumulator.keras2), so far these:
@@ -90,16 +74,24 @@ def _tf_keras_in_use() -> bool:
     the environment (``_backend`` has then checked tf-keras is installed).
     Not from ``tf.keras`` itself: after ``from tensorflow.keras import ...``
     that name is the ``tensorflow.keras`` module whichever Keras it is."""
-    return legacy_keras_requested()
+    return _legacy_keras_requested()
+
+
+# The public names of the Keras in use: its export table without the loader
+# that saved files name (`Accumulating`, found by Keras, not by users).
+__all__ = sorted(
+    [*(_KERAS2_EXPORTS if _tf_keras_in_use() else _EXPORTS), "__version__"]
+)
+__all__.remove("Accumulating")
 
 
 def _load() -> None:
     """Imports every public name into this module (once), from the hosts of
     the Keras that ``tf.keras`` is."""
-    importlib.import_module(f"{__name__}._backend")  # fails on other backends
+    _importlib.import_module(f"{__name__}._backend")  # fails on other backends
     exports = _KERAS2_EXPORTS if _tf_keras_in_use() else _EXPORTS
     modules = {
-        m: importlib.import_module(f"{__name__}.{m}") for m in set(exports.values())
+        m: _importlib.import_module(f"{__name__}.{m}") for m in set(exports.values())
     }
     namespace = globals()
     for name, module in exports.items():
@@ -130,10 +122,10 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    return list(__all__)  # what tab completion and dir() offer: the public names
 
 
-class _Package(types.ModuleType):
+class _Package(_types.ModuleType):
     """Keeps each public name bound to its function or class: importing the
     submodule ``gradient_accumulator.verify`` makes the import system bind
     the name ``verify`` on the package to that submodule, which would hide
@@ -141,12 +133,12 @@ class _Package(types.ModuleType):
     overwrite it)."""
 
     def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
+        if name in _EXPORTS and isinstance(value, _types.ModuleType):
             return
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package
 
 
 # Fail at import, in one line, without a TensorFlow in the supported range
@@ -154,12 +146,12 @@ sys.modules[__name__].__class__ = _Package
 # backend is known already: Keras is loaded (an exact check, and cheap then)
 # or KERAS_BACKEND names another one. Otherwise the backend is checked when
 # the first public name is used.
-check_installed()
+_check_installed()
 if (
-    "keras" in sys.modules
-    or os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"
+    "keras" in _sys.modules
+    or _os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"
 ):
-    importlib.import_module(f"{__name__}._backend")
+    _importlib.import_module(f"{__name__}._backend")
 
 
 def _is_own_program() -> bool:
@@ -169,18 +161,19 @@ def _is_own_program() -> bool:
     beside this package (``python examples/digits_demo.py``). Their first
     import of the package (``from gradient_accumulator._quiet import ...``)
     must not load TensorFlow before their quiet start-up does."""
-    script = sys.argv[0] if sys.argv else ""
-    program = os.path.basename(script)
+    script = _sys.argv[0] if _sys.argv else ""
+    program = _os.path.basename(script)
     if program.split(".")[0].removesuffix("-script") == "gradient-accumulator":
         return True
-    pairs = itertools.pairwise(getattr(sys, "orig_argv", ()))
+    pairs = _itertools.pairwise(getattr(_sys, "orig_argv", ()))
     if any(a == "-m" and b == f"{__name__}.cli" for a, b in pairs):
         return True
-    if not (script.endswith(".py") and os.path.isfile(script)):
+    if not (script.endswith(".py") and _os.path.isfile(script)):
         return False  # python -c, the interactive prompt
-    checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
-    folder = os.path.dirname(os.path.realpath(script))
-    return folder == os.path.join(checkout, "examples")
+    path = _os.path
+    checkout = path.dirname(path.dirname(path.realpath(__file__)))
+    folder = path.dirname(path.realpath(script))
+    return folder == path.join(checkout, "examples")
 
 
 if not _is_own_program():

@@ -168,3 +168,32 @@ def test_wheel_metadata_has_the_extras_and_no_tensorflow(dist):
     assert tf_keras.marker.evaluate({"extra": "tf-keras"})
     for other in extras - {"tf-keras"}:
         assert not tf_keras.marker.evaluate({"extra": other}), other
+
+
+def test_wheel_metadata_tells_a_user_where_and_what(dist):
+    """``pip show`` and PyPI's sidebar: a home page, an author, the project's
+    links, a licence and a development status, and a Python classifier for
+    every minor version from ``python_requires``' lower bound on."""
+    (wheel,) = dist.glob("*.whl")
+    version = gradient_accumulator.__version__
+    with zipfile.ZipFile(wheel) as whl:
+        text = whl.read(f"gradient_accumulator-{version}.dist-info/METADATA")
+    metadata = email.parser.Parser().parsestr(text.decode())
+    assert metadata.get("Home-page", "").startswith("https://"), metadata.items()
+    assert metadata.get("Author"), metadata.items()
+    links = dict(line.split(", ", 1) for line in metadata.get_all("Project-URL") or [])
+    assert {"Source", "Documentation", "Changelog", "Issues"} <= set(links), links
+    assert all(url.startswith("https://") for url in links.values()), links
+    classifiers = set(metadata.get_all("Classifier"))
+    assert "License :: OSI Approved :: MIT License" in classifiers
+    assert any(c.startswith("Development Status :: ") for c in classifiers)
+    low = SpecifierSet(metadata["Requires-Python"])
+    pythons = {
+        c.rsplit(" :: ", 1)[1]
+        for c in classifiers
+        if c.startswith("Programming Language :: Python :: 3.")
+    }
+    assert "{}.{}".format(*_requirements.PYTHON_MIN) in pythons, pythons
+    assert all(low.contains(f"{p}.0") for p in pythons), (pythons, low)
+    minors = sorted(int(p.split(".")[1]) for p in pythons)
+    assert minors == list(range(minors[0], minors[-1] + 1)), minors
