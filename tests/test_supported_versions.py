@@ -389,9 +389,54 @@ def test_ci_runs_the_tf_keras_tests_at_the_lowest_pair_too():
         "recipes-tf-keras",
     }
     script = (CI / "run").read_text()
+    assert "listed .ci/lowest-tests-tf-keras.txt" in script
+    low_tfk = r'"\$\{low_tfk_tests\[@\]\}"'
     assert re.search(
-        r'TF_USE_LEGACY_KERAS=1 run_pytest "\$low/bin/python" tests\b', script
+        r'TF_USE_LEGACY_KERAS=1 run_pytest "\$low/bin/python" ' + low_tfk, script
     )
+    # The newest tf-keras runs the whole suite (the 0.5.x port with it).
+    assert re.search(
+        r'TF_USE_LEGACY_KERAS=1 run_pytest "\$tfk/bin/python" tests\b', script
+    )
+
+
+def lowest_tf_keras_files() -> list[Path]:
+    lines = (CI / "lowest-tests-tf-keras.txt").read_text().splitlines()
+    return [REPO / s for line in lines if (s := line.split("#", 1)[0].strip())]
+
+
+def test_ci_lowest_tf_keras_list_holds_the_version_sensitive_tests():
+    """The lowest tf-keras runs what can depend on the version: every test
+    of both Kerases, the private names the package uses, saving and
+    loading, distributed and mixed precision, and a file naming each public
+    class; the verbatim 0.5.x port runs once, with the newest tf-keras."""
+    entries = lowest_tf_keras_files()
+    assert REPO / "tests" / "both" in entries, entries
+    files = []
+    for path in entries:
+        assert path.exists(), path
+        assert path == REPO / "tests" / "both" or (
+            path.parent == REPO / "tests" / "keras2" and path.name.startswith("test_")
+        ), path
+        files += sorted(path.glob("test_*.py")) if path.is_dir() else [path]
+    names = {path.name for path in files}
+    private_names = "test_compat.py"  # tests every name of keras2/_compat.py
+    assert {private_names, "test_saving.py", "test_distributed.py"} <= names, names
+    assert {"test_multi_worker.py", "test_mixed_precision.py"} <= names, names
+    assert "test_05_suite.py" not in names  # once, in the newest tf-keras
+    sources = "\n".join(path.read_text() for path in files)
+    assert "load_model(" in sources
+    for name in (
+        "GradientAccumulateModel",
+        "GradientAccumulateOptimizer",
+        "AccumBatchNormalization",
+        "AccumulationScheduler",
+        "FlushPartialCycle",
+        "PruningStepPerUpdate",
+        "accumulate",
+        "verify",
+    ):
+        assert re.search(rf"\b{name}\b", sources), name
 
 
 def lowest_test_files() -> list[Path]:
