@@ -48,8 +48,10 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
             ``steps_per_epoch`` carry them on; ``"carry"`` them into the next
             epoch always (the default before 1.0), ``"flush"`` them (apply
             them as one smaller big batch) always, or ``"drop"`` them.
-        flush_at_end: flush a carried partial cycle when ``fit`` ends, so no
-            data is silently left unapplied (default ``True``).
+        flush_at_end: flush a partial cycle left when ``fit`` ends, so no
+            data is silently left unapplied (default ``True``); ``False``
+            keeps it pending for the next ``fit`` (with ``"auto"`` or
+            ``"carry"``; it is saved in checkpoints).
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,
             called with the accumulated mean gradient at the end of each
             cycle; True skips the cycle (non-finite cycles are always

@@ -13,17 +13,19 @@ def epoch_end_policy(partial_cycle: str, steps_per_epoch) -> str:
     """What one ``fit`` does at each epoch end: ``partial_cycle``, with
     ``"auto"`` resolved. An epoch that is a pass over the data (no
     ``steps_per_epoch``) ends like plain Keras' epoch, whose last batch is
-    short: ``"flush"``. Epochs cut from a stream by ``steps_per_epoch`` are
-    spans of one stream of batches, which plain Keras never cuts short:
-    ``"carry"``."""
+    short: ``"epoch"``, a flush at every epoch end but the last, where
+    ``flush_at_end`` decides as for ``"carry"``. Epochs cut from a stream by
+    ``steps_per_epoch`` are spans of one stream of batches, which plain Keras
+    never cuts short: ``"carry"``."""
     if partial_cycle != "auto":
         return partial_cycle
-    return "flush" if steps_per_epoch is None else "carry"
+    return "epoch" if steps_per_epoch is None else "carry"
 
 
 class PartialCycles:
-    """Applies one ``fit``'s epoch-end ``policy`` (``"carry"``, ``"flush"``
-    or ``"drop"``, see :func:`epoch_end_policy`) at epoch and fit ends.
+    """Applies one ``fit``'s epoch-end ``policy`` (``"carry"``, ``"epoch"``,
+    ``"flush"`` or ``"drop"``, see :func:`epoch_end_policy`) at epoch and
+    fit ends.
 
     ``fit`` gets two: the first in its callback list acts at every epoch end
     (before other callbacks see the weights); the ``closing`` one, last,
@@ -61,6 +63,8 @@ class PartialCycles:
             owner.drop_partial_cycle()
         elif epoch + 1 >= (getattr(self, "params", None) or {}).get("epochs", 0):
             self._end_fit()
+        elif self._policy == "epoch":
+            owner.flush()
 
     def on_train_end(self, logs=None):
         # Nothing is pending here unless fit ended outside an epoch end.

@@ -85,3 +85,18 @@ def test_default_carries_cycles_across_epochs_cut_by_steps_per_epoch():
     assert int(ours.optimizer.iterations) == 6
     diff = max_diff(ours.get_weights(), plain.get_weights())
     assert diff <= utils.ATOL, diff
+
+
+def test_flush_at_end_false_keeps_the_last_short_cycle_pending():
+    """``flush_at_end=False`` keeps what the last epoch leaves pending for a
+    next ``fit`` (or a checkpoint); the epochs before it end as the big
+    batch's. A ``flush()`` then completes the big batch's training."""
+    x, y = utils.classification_data(n=100)
+    plain, ours = models(flush_at_end=False)
+    plain.fit(x, y, batch_size=BIG, epochs=2, shuffle=False, verbose=0)
+    ours.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    assert int(ours.optimizer.iterations) == 7
+    ours.flush()
+    assert int(ours.optimizer.iterations) == 8
+    diff = max_diff(ours.get_weights(), plain.get_weights())
+    assert diff <= utils.ATOL, diff
