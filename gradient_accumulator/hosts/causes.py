@@ -204,13 +204,10 @@ def repeated_sparse_rows(model: Any, x: Any) -> dict[int, tuple[int, int]]:
         x = [x]  # the structure the model was built with (no Keras warning)
     with tf.GradientTape() as tape:
         outputs = tf.nest.flatten(model(x, training=False))
-        total = tf.add_n(
-            [
-                tf.reduce_sum(tf.cast(o, tf.float32))
-                for o in outputs
-                if o.dtype.is_floating
-            ]
-        )
+        sums = [tf.reduce_sum(o) for o in outputs if o.dtype.is_floating]
+        total = tf.add_n([tf.cast(t, tf.float32) for t in sums]) if sums else None
+    if total is None:
+        return {}  # no output a gradient flows to
     found = {}
     for variable, gradient in zip(variables, tape.gradient(total, variables)):
         if not isinstance(gradient, tf.IndexedSlices):
