@@ -65,9 +65,14 @@ def _build(layout: str, initial_scale=2.0**15, growth_steps=2000) -> keras.Model
     scaler = {"initial_scale": initial_scale, "dynamic_growth_steps": growth_steps}
     compile_kwargs = {}
     if layout == "model":
-        # Partial cycles stay pending after fit, like the optimizer layouts'.
+        # Partial cycles carry across epochs and stay pending after fit, like
+        # the optimizer layouts'.
         model = GradientAccumulateModel(
-            accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
+            accum_steps=K,
+            partial_cycle="carry",
+            flush_at_end=False,
+            inputs=inputs,
+            outputs=outputs,
         )
         optimizer = _inner()
     else:

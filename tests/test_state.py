@@ -31,10 +31,15 @@ def _build(kind: str) -> keras.Model:
     """A compiled model accumulating ``K`` micro-batches, with Adam inside."""
     inputs, outputs = utils.mlp_layers()
     if kind == "model_wrapper":
-        # These tests stop fit mid-cycle on purpose: keep the partial cycle
-        # pending, as the optimizer wrapper does, instead of flushing it.
+        # These tests stop fit mid-cycle on purpose: carry the partial cycle
+        # across epochs and keep it pending, as the optimizer wrapper does,
+        # instead of flushing it.
         model = GradientAccumulateModel(
-            accum_steps=K, flush_at_end=False, inputs=inputs, outputs=outputs
+            accum_steps=K,
+            partial_cycle="carry",
+            flush_at_end=False,
+            inputs=inputs,
+            outputs=outputs,
         )
         model.compile(optimizer=keras.optimizers.Adam(LR), loss=utils.sparse_ce())
     else:
@@ -333,7 +338,10 @@ class StateNet(GradientAccumulateModel):
 
     def __init__(self, **kwargs):
         kwargs.setdefault("accum_steps", K)
-        kwargs.setdefault("flush_at_end", False)  # stopped mid-cycle on purpose
+        # Stopped mid-cycle on purpose: cycles carry across epochs and stay
+        # pending after fit, as in the other tests of this file.
+        kwargs.setdefault("partial_cycle", "carry")
+        kwargs.setdefault("flush_at_end", False)
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(16, activation="tanh")
         self.head = keras.layers.Dense(3)

@@ -72,8 +72,8 @@ def test_flush_each_epoch_matches_short_big_batches():
 
 
 def test_carry_across_epochs_then_flush_at_end_of_fit():
-    """Carry (the default): cycles straddle the epoch boundary; the partial
-    cycle left when fit ends is applied, so no data is lost."""
+    """Carry (the default before 1.0): cycles straddle the epoch boundary;
+    the partial cycle left when fit ends is applied, so no data is lost."""
     x, y = utils.classification_data(20)
     xx, yy = np.concatenate([x, x]), np.concatenate([y, y])
     reference = _plain()
@@ -81,7 +81,7 @@ def test_carry_across_epochs_then_flush_at_end_of_fit():
     # the remaining 8/4 of epoch 2 are flushed at the end.
     _train_on(reference, xx, yy, [(0, 28), (28, 40)])
 
-    model = _accumulating()
+    model = _accumulating(partial_cycle="carry")
     _fit(model, x, y, epochs=2)
     assert int(model.optimizer.iterations) == 2
     assert int(model._accumulator.micro_step) == 0

@@ -259,8 +259,10 @@ DATASETS = {
 @pytest.mark.parametrize("K", [2, 4, 5])
 @pytest.mark.parametrize("source", sorted(DATASETS))
 def test_model_wrapper_on_unknown_length_datasets_equals_big_batch(K, source, tmp_path):
-    """Three epochs of 6 micro-batches each: cycles cross epoch ends (K=4, 5)
-    and the last partial cycle is flushed, as plain Keras' last short batch."""
+    """Three epochs of 6 micro-batches each: with K=4, 5 each epoch ends
+    with a short cycle, applied as plain Keras' short last batch, so the
+    run equals plain Keras with batches of B * K epoch by epoch (no
+    micro-batch lost where the data runs out)."""
     epochs, n = 3, 24
     x, y = utils.classification_data(n)
     make = DATASETS[source]
@@ -272,8 +274,7 @@ def test_model_wrapper_on_unknown_length_datasets_equals_big_batch(K, source, tm
     for model in (plain, wrapped):
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=utils.sparse_ce())
     wrapped.fit(ds, epochs=epochs, verbose=0)
-    xs, ys = np.concatenate([x] * epochs), np.concatenate([y] * epochs)
-    utils.fit(plain, xs, ys, B * K)
+    utils.fit(plain, x, y, B * K, epochs=epochs)
     assert int(wrapped.optimizer.iterations) == int(plain.optimizer.iterations)
     utils.report(
         utils.assert_same_weights(utils.weights(wrapped), utils.weights(plain))

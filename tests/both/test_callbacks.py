@@ -170,10 +170,11 @@ def _ema_sgd():
 
 def _ema_accumulating(wrapper: str):
     if wrapper == "model":
-        # Without the model's own end-of-fit flush, so the callback decides.
+        # Without the model's own epoch-end and end-of-fit flushes, so the
+        # callback decides.
         return utils.compiled(
             lambda: utils.accumulating_model(
-                _digit_layers, accum_steps=K, flush_at_end=False
+                _digit_layers, accum_steps=K, partial_cycle="carry", flush_at_end=False
             ),
             _ema_sgd(),
         )

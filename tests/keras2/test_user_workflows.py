@@ -175,8 +175,9 @@ def test_clone_model_is_a_fresh_wrapper_that_trains_as_the_big_batch():
     GradientAccumulateModel with the source's settings and a state of its
     own (nothing pending). Given the plain model's weights and fitted, it
     trains as plain tf-keras on the big batch (the cycle carried across the
-    epoch end, the last micro-batches left pending: ``flush_at_end=False``)."""
-    plain, wrapped = _pair(flush_at_end=False)
+    epoch end, the last micro-batches left pending: ``partial_cycle="carry",
+    flush_at_end=False``)."""
+    plain, wrapped = _pair(partial_cycle="carry", flush_at_end=False)
     wrapped.compile(optimizer=utils.OPTIMIZERS["adam"](), loss=utils.sparse_ce())
     x, y = utils.classification_data(40)
     utils.fit(wrapped, x, y, B)
@@ -188,6 +189,7 @@ def test_clone_model_is_a_fresh_wrapper_that_trains_as_the_big_batch():
     assert clone._accumulator is not wrapped._accumulator
     assert clone._accumulator.pending == 0
     assert (clone.accum_steps, clone.get_config()["flush_at_end"]) == (K, False)
+    assert clone.get_config()["partial_cycle"] == "carry"
     assert len(clone.weights) == len(plain_clone.weights) == len(plain.weights)
     assert clone.count_params() == plain_clone.count_params()
     clone.set_weights(plain.get_weights())
