@@ -178,13 +178,13 @@ def sparse_rows_causes(
     repeated = repeated_sparse_rows(model, x)
     if not repeated or sums_repeated_rows(flavour, new_optimizer):
         return {}
-    causes = {}
+    causes, name = {}, type(new_optimizer()).__name__
     for layer in model.layers:
         found = [repeated.get(id(tf_variable(w))) for w in layer.trainable_weights]
         found = [counts for counts in found if counts is not None]
         if found:
             causes[layer.name] = SPARSE_ROWS.format(
-                optimizer=type(new_optimizer()).__name__,
+                optimizer=name,
                 repeated=found[0][0],
                 rows=found[0][1],
             )
