@@ -540,6 +540,7 @@ def test_mirrored_strategy_pools_every_replica():
 # ---------------------------------------------------------------- example
 
 
+@pytest.mark.script
 def test_batch_norm_example_quick_matches_big_batch_statistics():
     result = run_like_a_user("examples/batch_norm.py", "--quick")
     assert result.returncode == 0, describe(result)

@@ -3,6 +3,8 @@ and no need for matplotlib when ``--plot`` is not given."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.processes import describe, run_script
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -16,6 +18,7 @@ WITHOUT_MATPLOTLIB = (
 )
 
 
+@pytest.mark.script
 def test_plot_writes_loss_and_memory_pngs(tmp_path):
     import matplotlib.image
 

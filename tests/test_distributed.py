@@ -246,6 +246,7 @@ def test_mwms_jit_compile_unsupported_on_cpu_for_plain_keras_too(mwms_probe):
 
 
 # ------------------------------------------------------ example and benchmark
+@pytest.mark.script
 def test_distributed_example_quick_matches_big_batch():
     """examples/distributed.py launches its 2 MWMS workers on loopback and
     reports the weight difference against one-device big-batch Keras."""
@@ -269,6 +270,7 @@ def test_distributed_example_quick_matches_big_batch():
     assert verdict(result).startswith("OK: accumulation under Multi"), describe(result)
 
 
+@pytest.mark.script
 def test_distributed_benchmark_quick_prints_counted_table():
     """benchmarks/distributed.py --quick prints its table; the all-reduce
     counts are counted from the traced graphs: 1 per update for ours and

@@ -16,6 +16,7 @@ import re
 import sys
 
 import numpy as np
+import pytest
 
 from tests.processes import (
     REPO,
@@ -44,10 +45,12 @@ def _exact_example(script: str, ok: str):
     return result, float(match.group(1))
 
 
+@pytest.mark.script
 def test_digits_demo_quick_matches_big_batch():
     _exact_example("examples/digits_demo.py", "OK: accumulation reproduced")
 
 
+@pytest.mark.script
 def test_overhead_benchmark_quick_prints_table():
     result = run_script(
         "benchmarks/overhead.py",
@@ -72,6 +75,7 @@ def test_overhead_benchmark_quick_prints_table():
     assert any(line.startswith(target) for line in lines), describe(result)
 
 
+@pytest.mark.script
 def test_epoch_benchmark_quick_prints_table_and_targets(tmp_path):
     """Its table and verdicts, and with ``--plot`` (the benchmarks page's
     figure, tests/test_docs.py) the figure too, the table left as it was."""
@@ -111,6 +115,7 @@ def test_epoch_benchmark_quick_prints_table_and_targets(tmp_path):
     assert plotted == f"plot written to {figure}", describe(result)
 
 
+@pytest.mark.script
 def test_versions_benchmark_quick_compares_two_checkouts():
     """benchmarks/versions.py times two checkouts (here this one twice, each
     in its own worker) and prints one row per variant with both versions'
@@ -134,6 +139,7 @@ def test_versions_benchmark_quick_compares_two_checkouts():
         assert any(row.match(line) for line in lines), describe(result)
 
 
+@pytest.mark.script
 def test_step_ops_benchmark_quick_prints_its_tables():
     result = run_script("benchmarks/step_ops.py", "--quick", "--probes")
     assert result.returncode == 0, describe(result)
@@ -190,11 +196,13 @@ def test_overhead_probe_lets_a_nan_through_and_ours_does_not():
     assert finite == {"ours-model": True, overhead.PROBE: False}
 
 
+@pytest.mark.script
 def test_schedule_example_quick_matches_big_batch():
     result, _ = _exact_example("examples/schedule.py", "OK: the accumulation schedule")
     assert "accum_steps now 4" in result.stdout, describe(result)
 
 
+@pytest.mark.script
 def test_masked_sequence_example_quick_is_token_exact():
     result, diff = _exact_example("examples/masked_sequence.py", "OK: token-weighted")
     naive = re.search(r"\| keras-builtin [^|]*\| (\S+) \|", result.stdout)
@@ -202,6 +210,7 @@ def test_masked_sequence_example_quick_is_token_exact():
     assert naive and float(naive.group(1)) > 100 * diff, describe(result)
 
 
+@pytest.mark.script
 def test_denominators_benchmark_quick_prints_state_and_exactness():
     """The second denominator's cost table: its state is one extra sum for
     the variables the token head reaches (all but the sequence head), and
@@ -224,6 +233,7 @@ def test_denominators_benchmark_quick_prints_state_and_exactness():
     assert float(gap.rsplit("= ", 1)[1]) < 2e-5, describe(result)
 
 
+@pytest.mark.script
 def test_mixed_skips_benchmark_quick_compares_with_the_same_function():
     """One cycle of MobileNetV2 under ``mixed_float16`` at a scale where
     nothing overflows: the wrapper applies the update, and float16 moves it

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.processes import assert_quiet, describe, run_like_a_user, run_script, verdict
 
 WEIGHT_DIFF = re.compile(r"max \|w_instep - w_bigbatch\| = (\S+)")
@@ -18,6 +20,7 @@ MEMORY_HEADER = (
 )
 
 
+@pytest.mark.script
 def test_in_step_example_quick_matches_big_batch():
     result = run_like_a_user("examples/in_step.py", "--quick")
     assert result.returncode == 0, describe(result)
@@ -31,6 +34,7 @@ def test_in_step_example_quick_matches_big_batch():
     )
 
 
+@pytest.mark.script
 def test_memory_benchmark_quick_prints_table():
     result = run_script("benchmarks/memory.py", "--quick")
     assert result.returncode == 0, describe(result)

@@ -33,6 +33,8 @@ except ImportError as error:  # not a skip: CI installs it
         "(keras-hub pulls tensorflow-text, which pins a matching tensorflow)."
     ) from error
 
+import pytest
+
 from gradient_accumulator import (
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
@@ -273,6 +275,7 @@ def test_text_classifier_equals_big_batch():
 
 
 # -------------------------------------------------------------- example
+@pytest.mark.script
 def test_keras_hub_causal_lm_example_quick():
     result = run_like_a_user("examples/keras_hub_causal_lm.py", "--quick")
     assert result.returncode == 0, describe(result)

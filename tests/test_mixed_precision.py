@@ -302,6 +302,7 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
 
 
 # ---------------------------------------------------------------- example
+@pytest.mark.script
 def test_mixed_precision_example_quick():
     result = run_like_a_user("examples/mixed_precision.py", "--quick")
     assert result.returncode == 0, describe(result)

@@ -479,6 +479,25 @@ def test_ci_lowest_tests_cover_every_public_keras_class_and_saving():
     assert {"test_distributed.py", "test_mixed_precision.py"} <= names
 
 
+def test_ci_lowest_pair_leaves_out_script_runs_only():
+    """On the lowest pair .ci/run deselects the tests marked ``script``; each
+    of those in its files runs a script of examples/ or benchmarks/ (the
+    package's own behaviour is tested by the rest, which runs there)."""
+    script = (CI / "run").read_text()
+    assert re.search(r'run_pytest "\$low/bin/python" -m "not script" ', script)
+    marked = []
+    for path in lowest_test_files():
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d) == "pytest.mark.script" for d in node.decorator_list
+            ):
+                marked.append(node.name)
+                source = ast.get_source_segment(path.read_text(), node)
+                assert re.search(r"[\"'](examples|benchmarks)/", source), node.name
+    assert len(marked) >= 4, marked  # the examples of distribution, BN, float16
+
+
 def test_ci_run_installs_the_lowest_pair_and_runs_the_list():
     script = (CI / "run").read_text()
     assert ".ci/lowest-pair.txt" in script
