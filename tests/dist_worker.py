@@ -143,7 +143,7 @@ def _data(case: str):
 
     from tests import utils
 
-    if "embedding" in case:
+    if _architecture(case) == "embedding":
         rng = np.random.default_rng(3)
         # Few distinct tokens per micro-batch: sparse rows, some repeated.
         x = rng.integers(0, VOCAB, size=(N, SEQ)).astype("int32")
@@ -152,13 +152,19 @@ def _data(case: str):
     return utils.classification_data(N)
 
 
+def _architecture(case: str) -> str:
+    """The layers a case trains: "bn", "embedding", "unused" or "mlp"."""
+    return next((k for k in ("bn", "embedding", "unused") if k in case), "mlp")
+
+
 def _layers(case: str, reference: bool = False):
     import keras
 
     from gradient_accumulator import AccumBatchNormalization
     from tests import utils
 
-    if "bn" in case:
+    architecture = _architecture(case)
+    if architecture == "bn":
         # Normalising the inputs: statistics that do not depend on weights,
         # so the pooled ones must equal Keras' on the big batch exactly.
         inputs = keras.Input((8,))
@@ -166,13 +172,13 @@ def _layers(case: str, reference: bool = False):
         h = norm(momentum=0.5, name="norm")(inputs)
         h = keras.layers.Dense(16, activation="tanh")(h)
         return inputs, keras.layers.Dense(3)(h)
-    if "embedding" in case:
+    if architecture == "embedding":
         inputs = keras.Input((SEQ,), dtype="int32")
         h = keras.layers.Embedding(VOCAB, 8)(inputs)
         h = keras.layers.GlobalAveragePooling1D()(h)
         outputs = keras.layers.Dense(3)(h)
         return inputs, outputs
-    if "unused" in case:
+    if architecture == "unused":
         # A trainable weight without a gradient, ahead of the others.
         inputs = keras.Input((8,))
         h = _with_unused_weight_class()()(inputs)
@@ -267,6 +273,37 @@ def build_reference(case: str):
     return utils.seeded(build)
 
 
+# Trained references by what they depend on (see trained_reference).
+_REFERENCES: dict[tuple[str, str], tuple] = {}
+
+
+def trained_reference(case: str, x, y):
+    """``(reference, initial weights, facts)``: the case's plain one-device
+    model trained on the big batches. Cases whose data, layers and optimizer
+    agree (model_sgd, opt_sgd, the XLA and NaN cases; each wrapper pair)
+    train the same reference, so this process trains it once."""
+    import keras
+
+    from tests import utils
+
+    optimizer = keras.optimizers.serialize(_inner_optimizer(case))
+    optimizer["config"].pop("name", None)
+    key = (_architecture(case), json.dumps(optimizer, sort_keys=True, default=str))
+    if key not in _REFERENCES:
+        reference = build_reference(case)
+        initial = utils.weights(reference)
+        facts = {}
+        if "clip" in case:
+            # A forward pass in training mode: it would move BatchNorm
+            # statistics.
+            facts["grad_norm"] = _initial_grad_norm(reference, x, y)
+        reference.fit(_dataset(x, y, BIG), epochs=EPOCHS, verbose=0, shuffle=False)
+        facts["ref_iterations"] = _iterations(reference)
+        _REFERENCES[key] = (reference, initial, facts)
+    reference, initial, facts = _REFERENCES[key]
+    return reference, initial, dict(facts)
+
+
 def _dataset(x, y, batch):
     import tensorflow as tf
 
@@ -310,21 +347,12 @@ def run_case(case, strategy, out: Path, chief: bool):
 
     from tests import utils
 
+    if case == "model_denominators":  # its own model, data and reference
+        return _denominators_case(case, strategy)
     x, y = _data(case)
-    ref_ds = _dataset(x, y, BIG)
-    reference = build_reference(case)
-    initial = utils.weights(reference)
-    facts = {}
-    if "clip" in case:
-        # A forward pass in training mode: it would move BatchNorm statistics.
-        facts["grad_norm"] = _initial_grad_norm(reference, x, y)
-    reference.fit(ref_ds, epochs=EPOCHS, verbose=0, shuffle=False)
-    facts["ref_iterations"] = _iterations(reference)
-
+    reference, initial, facts = trained_reference(case, x, y)
     if case == "model_nan_one_replica":
         return _nan_case(case, strategy, x, y, initial, facts)
-    if case == "model_denominators":
-        return _denominators_case(case, strategy)
 
     if case.startswith("checkpoint"):
         ours, resumed = _checkpoint_case(case, strategy, x, y, out, facts)
