@@ -253,7 +253,8 @@ def test_mixed_skips_benchmark_quick_compares_with_the_same_function():
         for line in result.stdout.splitlines()
         if line.startswith("| ") and not line.startswith("| run")
     }
-    assert set(rows) == {"keras-f32", *runs.split(",")}, describe(result)
+    # Without keras-f32 (a fifth MobileNetV2 run): no assertion reads it.
+    assert set(rows) == set(runs.split(",")), describe(result)
     assert rows["wrapper-f16"][1] == "1 of 1", describe(result)
     own = {name: float(row[6]) for name, row in rows.items()}
     assert own["ghost-f16"] > 0.0, describe(result)
