@@ -339,19 +339,3 @@ def check_batch_norm_arguments(
     check_range("epsilon", epsilon, "a number >= 0", 0.0, float("inf"))
     check_bool("center", center)
     check_bool("scale", scale)
-
-
-def check_keywords(
-    function: str, given, accepted: tuple, what: str, hints: dict | None = None
-) -> None:
-    """Refuses the keyword arguments ``given`` to ``function`` (a public
-    function taking ``**keywords``) that are not ``accepted``, naming them
-    and ``what`` it takes; ``hints``: a name's explanation, added when it is
-    among them."""
-    unknown = sorted(set(given) - set(accepted))
-    if unknown:
-        hint = "".join(text for name, text in (hints or {}).items() if name in unknown)
-        raise TypeError(
-            f"{function}() got unexpected keyword argument(s) {unknown}{hint}. "
-            f"Its {what}: {', '.join(accepted)}."
-        )

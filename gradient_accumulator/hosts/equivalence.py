@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -19,13 +19,19 @@ import tensorflow as tf
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.validation import (
     check_accum_steps,
-    check_keywords,
     check_positive_float,
 )
 from gradient_accumulator.hosts import causes as known
 from gradient_accumulator.hosts.flavour import Flavour
 
-__all__ = ["LayerCheck", "Options", "VariableCheck", "VerifyReport", "run"]
+__all__ = [
+    "LayerCheck",
+    "Options",
+    "VariableCheck",
+    "VerifyReport",
+    "check_model_fn",
+    "run",
+]
 
 _DOWNSTREAM = "follows from {causes}"
 _UNEXPLAINED = (
@@ -197,11 +203,9 @@ class Options:
             )
 
 
-def run(
-    flavour: Flavour, model_fn: Callable[[], Any], x: Any, y: Any, options: dict
-) -> VerifyReport:
-    """``verify(model_fn, x, y, **options)`` for ``flavour``'s Keras: see the Keras 3
-    ``verify`` module."""
+def check_model_fn(flavour: Flavour, model_fn) -> None:
+    """Refuses a ``model_fn`` that is not a function building a model (a
+    model itself, most often), saying how to pass one."""
     if isinstance(model_fn, flavour.keras.Model) or not callable(model_fn):
         # A model is callable too, but on inputs: say what was passed.
         given = (
@@ -216,8 +220,13 @@ def run(
             f"have, pass `lambda: {flavour.name}.models.clone_model(model)` "
             "(and `loss=`, `optimizer=` if it is compiled)."
         )
-    check_keywords("verify", options, tuple(f.name for f in fields(Options)), "options")
-    checked = Options(**options)
+
+
+def run(
+    flavour: Flavour, model_fn: Callable[[], Any], x: Any, y: Any, checked: Options
+) -> VerifyReport:
+    """``verify(model_fn, x, y, ...)`` for ``flavour``'s Keras, with its
+    checked keyword arguments (see ``hosts/public.py``)."""
     big = checked.micro_batch_size * checked.accum_steps
     needed = big * checked.steps
     x = _take(x, "x", needed)

@@ -1,9 +1,10 @@
 """How ``accumulate()`` makes a model you already have accumulate, and
 ``stop_accumulating()`` undoes it, written once for Keras 3 and tf-keras:
 the instance gets a private class derived from its Keras' model wrapper and
-its own class. Each Keras' ``accumulate`` module keeps the public function
-``accumulate`` and its docs (``stop_accumulating``, which needs no Keras, is
-this module's); the host learns the Keras from its flavour record."""
+its own class. The public function ``accumulate`` of each Keras is made in
+``hosts/public.py`` and calls :func:`start` (``stop_accumulating``, which
+needs no Keras, is this module's); the host learns the Keras from its
+flavour record."""
 
 from __future__ import annotations
 

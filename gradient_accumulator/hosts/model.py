@@ -28,7 +28,7 @@ from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import (
     Micro,
     computes_own_loss,
-    micro_batch_gradients,
+    micro_batch_pass,
 )
 from gradient_accumulator.hosts.partial_cycles import (
     PartialCycles,
@@ -69,20 +69,26 @@ class ModelHost(Flavoured):
             # Keras' functional code may pass (inputs, outputs) positionally.
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
-        if micro_batch_size is not None and not self._flavour.in_step:
-            raise TypeError(
-                f"{_NAME} for {self._flavour.name} got micro_batch_size="
-                f"{micro_batch_size!r}: `micro_batch_size` (in-step "
-                f"micro-batching) is not available with {self._flavour.name}; use "
-                "accum_steps with fit(batch_size=...) instead."
-            )
-        # Every setting is an argument of the same name.
-        arguments = restored(self._flavour, locals())
+        check_in_step(self._flavour, _NAME, micro_batch_size)
         settings = model_settings(
             kwargs,
             mixed_precision,
             experimental_distributed_support,
-            **{f.name: arguments[f.name] for f in dataclasses.fields(Settings)},
+            **restored(
+                self._flavour,
+                {
+                    "accum_steps": accum_steps,
+                    "use_agc": use_agc,
+                    "clip_factor": clip_factor,
+                    "eps": eps,
+                    "micro_batch_size": micro_batch_size,
+                    "partial_cycle": partial_cycle,
+                    "flush_at_end": flush_at_end,
+                    "progress_logs": progress_logs,
+                    "skip_update_fn": skip_update_fn,
+                    "loss_denominator": loss_denominator,
+                },
+            ),
         )
         if self._flavour.functional_arguments(args, kwargs):
             construct(
@@ -389,7 +395,7 @@ class ModelHost(Flavoured):
         accumulator = self._accumulator
         unpack = self._flavour.keras.utils.unpack_x_y_sample_weight
         x, y, sample_weight = unpack(data)
-        micro = self._micro_batch_gradients(x, y, sample_weight)
+        micro = self._micro_batch_pass(x, y, sample_weight)
         tracker = self._flavour.loss_tracker(self)
         if tracker is not None:
             tracker.update_state(micro.loss, sample_weight=micro.samples)
@@ -414,14 +420,12 @@ class ModelHost(Flavoured):
         ``hosts.in_step.in_step_train_step``)."""
         return in_step_train_step(self, data)
 
-    def _micro_batch_gradients(
+    def _micro_batch_pass(
         self, x, y, sample_weight, opens_step=None, step_samples=None
     ) -> Micro:
         """Forward pass, loss, weight and gradients of one micro-batch (see
-        ``hosts.micro_batch.micro_batch_gradients``)."""
-        return micro_batch_gradients(
-            self, x, y, sample_weight, opens_step, step_samples
-        )
+        ``hosts.micro_batch.micro_batch_pass``)."""
+        return micro_batch_pass(self, x, y, sample_weight, opens_step, step_samples)
 
     def _add_parts(self, micro: Micro) -> None:
         for index, (grads, weight, count) in enumerate(micro.parts, start=1):
@@ -435,6 +439,18 @@ class ModelHost(Flavoured):
     def _apply_fn(self, variables):
         flavour, apply = self._flavour, loss_scale.apply_gradients
         return lambda grads: apply(flavour, self.optimizer, grads, variables)
+
+
+def check_in_step(flavour: Flavour, who: str, micro_batch_size) -> None:
+    """Refuses ``micro_batch_size`` where ``flavour``'s Keras has no in-step
+    micro-batching (tf-keras), naming what to use instead."""
+    if micro_batch_size is not None and not flavour.in_step:
+        raise TypeError(
+            f"{who} for {flavour.name} got micro_batch_size="
+            f"{micro_batch_size!r}: `micro_batch_size` (in-step "
+            f"micro-batching) is not available with {flavour.name}; use "
+            "accum_steps with fit(batch_size=...) instead."
+        )
 
 
 def restored(flavour: Flavour, settings: dict) -> dict:

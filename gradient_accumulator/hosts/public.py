@@ -1,6 +1,7 @@
-"""The public functions ``replace_batchnorm_layers`` and ``verify``, written
-once: each Keras' module (``convert.py``, ``verify.py`` and their ``keras2/``
-twins) gets its function from a factory here, given its flavour.
+"""The public functions ``accumulate``, ``replace_batchnorm_layers`` and
+``verify``, written once: each Keras' module (``accumulate.py``,
+``convert.py``, ``verify.py`` and their ``keras2/`` twins) gets its function
+from a factory here, given its flavour, so both Kerases' signatures are one.
 
 A factory's function carries its module's ``__module__``, its name and a
 docstring naming that Keras (``{keras}`` below, the flavour's package name;
@@ -13,13 +14,72 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gradient_accumulator.hosts import equivalence, replace_layers
-from gradient_accumulator.hosts.equivalence import VerifyReport
+from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.hosts import equivalence, in_place, replace_layers
+from gradient_accumulator.hosts.equivalence import Options, VerifyReport
 from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.model import check_in_step
 
 # Stand-ins in the functions' annotations (strings): _public names this Keras'
 # classes in their place, as inspect.signature shows them.
 Model = Optimizer = Any
+
+_ACCUMULATE_DOC = """Makes ``model`` accumulate gradients, in place, keeping its class.
+
+    ``model`` trains exactly as a :class:`GradientAccumulateModel` with the
+    same arguments would (see there for each argument in full): one
+    optimizer update per ``accum_steps`` micro-batches, each weighted by the
+    loss denominator {keras} uses for it. It stays an instance of its own
+    class (a keras-hub task's ``generate``, preprocessor and ``compile``
+    defaults keep working), its weights lists are unchanged, and ``.keras``
+    files round-trip it, accumulation settings and pending state included.
+    :func:`stop_accumulating` gives it its class back.
+
+    Call it before or after ``compile`` (a compiled model retraces its
+    step). A model whose class overrides ``train_step`` is refused: its step
+    is its own, and the accumulating step would replace it.
+
+    Args:
+        model: a {keras} model instance (functional, ``Sequential``,
+            subclassed, keras-hub task, loaded from a file).
+        accum_steps: micro-batches per optimizer update, an ``int >= 1``.
+        micro_batch_size: ``None``, or slice each ``fit`` batch into this
+            many samples inside the step (in-step micro-batching{in_step}).
+        partial_cycle: ``"auto"`` (the big batch's epochs: flush an
+            incomplete cycle at the end of a pass over the data, carry it
+            across epochs cut by ``steps_per_epoch``), ``"carry"``,
+            ``"flush"`` or ``"drop"`` it at each epoch end.
+        flush_at_end: flush a carried partial cycle when ``fit`` ends.
+        skip_update_fn: optional ``fn(grads, variables) -> bool tensor``;
+            True skips the cycle. Not saved in ``.keras`` files.
+        progress_logs: add ``update``, ``grad_norm`` and ``effective_batch``
+            to every step's logs.
+        use_agc: adaptive gradient clipping of the accumulated gradient.
+        clip_factor: its clipping factor (``> 0``).
+        eps: its epsilon (``> 0``).
+        loss_denominator: what the model's own ``compute_loss`` divides a
+            batch by, when it is compiled without a loss: ``"samples"``,
+            ``"sum"`` or a function ``f(x, y, sample_weight)`` (``None``:
+            ``"samples"``, with a warning if ``compute_loss`` is overridden).
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+
+    >>> import numpy as np, {keras}
+    >>> from {package} import accumulate, stop_accumulating
+    >>> model = {keras}.Sequential([{keras}.Input((4,)), {keras}.layers.Dense(1)])
+    >>> model = accumulate(model, accum_steps=4)
+    >>> isinstance(model, {keras}.Sequential)
+    True
+    >>> model.compile(optimizer="sgd", loss="mse")
+    >>> _ = model.fit(np.ones((32, 4)), np.ones((32, 1)), batch_size=8, verbose=0)
+    >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
+    1
+    >>> type(stop_accumulating(model)) is {keras}.Sequential
+    True
+    """
 
 _REPLACE_DOC = """\
 Returns a copy of ``model`` with every ``BatchNormalization`` accumulating.
@@ -133,6 +193,45 @@ _OPTIMIZERS = {
 }
 
 
+def accumulate(flavour: Flavour, module: str) -> Callable:
+    """``module``'s ``accumulate`` for ``flavour``'s Keras: the model
+    wrapper's settings, by keyword."""
+
+    def accumulate(
+        model: Model,
+        accum_steps: int = Settings.accum_steps,
+        *,
+        micro_batch_size: int | None = Settings.micro_batch_size,
+        partial_cycle: str = Settings.partial_cycle,
+        flush_at_end: bool = Settings.flush_at_end,
+        skip_update_fn: Callable[[list, list], Any] | None = None,
+        progress_logs: bool = Settings.progress_logs,
+        use_agc: bool = Settings.use_agc,
+        clip_factor: float = Settings.clip_factor,
+        eps: float = Settings.eps,
+        loss_denominator: str | Callable | None = Settings.loss_denominator,
+    ) -> Model:
+        check_in_step(flavour, "accumulate", micro_batch_size)
+
+        def settings() -> Settings:
+            return Settings(
+                accum_steps=accum_steps,
+                micro_batch_size=micro_batch_size,
+                partial_cycle=partial_cycle,
+                flush_at_end=flush_at_end,
+                skip_update_fn=skip_update_fn,
+                progress_logs=progress_logs,
+                use_agc=use_agc,
+                clip_factor=clip_factor,
+                eps=eps,
+                loss_denominator=loss_denominator,
+            )
+
+        return in_place.start(flavour, model, settings)
+
+    return _public(accumulate, flavour, module, _ACCUMULATE_DOC, "")
+
+
 def replace_batchnorm_layers(flavour: Flavour, module: str) -> Callable:
     """``module``'s ``replace_batchnorm_layers`` for ``flavour``'s Keras."""
 
@@ -153,25 +252,26 @@ def verify(flavour: Flavour, module: str) -> Callable:
         x: Any,
         y: Any,
         *,
-        micro_batch_size: int = 8,
-        accum_steps: int = 4,
-        optimizer: str | Optimizer | None = None,
-        loss: Any = None,
-        steps: int = 3,
-        tolerance: float = 1e-4,
-        seed: int = 0,
-        callbacks: Callable[[], list] | None = None,
+        micro_batch_size: int = Options.micro_batch_size,
+        accum_steps: int = Options.accum_steps,
+        optimizer: str | Optimizer | None = Options.optimizer,
+        loss: Any = Options.loss,
+        steps: int = Options.steps,
+        tolerance: float = Options.tolerance,
+        seed: int = Options.seed,
+        callbacks: Callable[[], list] | None = Options.callbacks,
     ) -> VerifyReport:
-        options = {
-            "micro_batch_size": micro_batch_size,
-            "accum_steps": accum_steps,
-            "optimizer": optimizer,
-            "loss": loss,
-            "steps": steps,
-            "tolerance": tolerance,
-            "seed": seed,
-            "callbacks": callbacks,
-        }
+        equivalence.check_model_fn(flavour, model_fn)
+        options = Options(
+            micro_batch_size=micro_batch_size,
+            accum_steps=accum_steps,
+            optimizer=optimizer,
+            loss=loss,
+            steps=steps,
+            tolerance=tolerance,
+            seed=seed,
+            callbacks=callbacks,
+        )
         return equivalence.run(flavour, model_fn, x, y, options)
 
     return _public(verify, flavour, module, _VERIFY_DOC, "")
@@ -187,6 +287,7 @@ def _public(
         keras=keras,
         package=module.rpartition(".")[0],
         unsupported=unsupported,
+        in_step="" if flavour.in_step else f"; not available with {keras}",
         optimizers=_OPTIMIZERS.get(keras, f"a {keras} optimizer name or instance"),
     )
     # The annotations are strings (postponed); name this Keras' classes in them.

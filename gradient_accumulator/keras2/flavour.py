@@ -109,8 +109,8 @@ def _moving_average(variable, value, momentum: float) -> None:
 
 
 # --- accumulate()
-# The keyword settings of accumulate(): the tf-keras model wrapper's (it has
-# no in-step mode).
+# The settings (besides accum_steps) a tf-keras accumulating model's config
+# holds: the model wrapper's, which has no in-step mode.
 SETTINGS = tuple(
     f.name
     for f in dataclasses.fields(Settings)
