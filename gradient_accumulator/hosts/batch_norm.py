@@ -13,8 +13,6 @@ formula, tf-keras' fused kernel) comes from it.
 
 from __future__ import annotations
 
-import inspect
-
 import tensorflow as tf
 
 from gradient_accumulator.core.batch_statistics import (
@@ -58,7 +56,6 @@ class AccumBatchNorm(Flavoured):
         synchronized: bool = False,
         **kwargs,
     ):
-        given = locals()
         axis, options = self._flavour.batch_norm_options(
             self, axis, synchronized, kwargs
         )
@@ -67,8 +64,23 @@ class AccumBatchNorm(Flavoured):
         settings = Settings(accum_steps=1 if accum_steps is None else accum_steps)
         check_batch_norm_arguments(axis, momentum, epsilon, center, scale, kwargs)
         # Keras' own arguments (all but accum_steps) pass on as given.
-        shared = {name: given[name] for name in _KERAS_ARGUMENTS}
-        super().__init__(**shared, axis=axis, **options, **kwargs)
+        super().__init__(
+            axis=axis,
+            momentum=momentum,
+            epsilon=epsilon,
+            center=center,
+            scale=scale,
+            beta_initializer=beta_initializer,
+            gamma_initializer=gamma_initializer,
+            moving_mean_initializer=moving_mean_initializer,
+            moving_variance_initializer=moving_variance_initializer,
+            beta_regularizer=beta_regularizer,
+            gamma_regularizer=gamma_regularizer,
+            beta_constraint=beta_constraint,
+            gamma_constraint=gamma_constraint,
+            **options,
+            **kwargs,
+        )
         self._requested_accum_steps = accum_steps
         self._feature_axis = int(axis)
         self._accumulator = self._flavour.layer_engine(self, settings)
@@ -233,12 +245,3 @@ class AccumBatchNorm(Flavoured):
             value = tf.cast(value, variable.dtype)
             self._flavour.moving_average(variable, value, self.momentum)
         self.accumulation_shift.assign(tf.cast(mean, self.accumulation_shift.dtype))
-
-
-# The arguments of AccumBatchNorm.__init__ that are Keras' own and go to
-# both Kerases as given (the flavour may change axis and takes synchronized).
-_KERAS_ARGUMENTS = tuple(
-    name
-    for name in inspect.signature(AccumBatchNorm.__init__).parameters
-    if name not in ("self", "accum_steps", "axis", "synchronized", "kwargs")
-)
