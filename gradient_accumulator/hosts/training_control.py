@@ -76,8 +76,9 @@ class SchedulerLogic(_Hosted):
         self.verbose = verbose
 
     def _set(self, accum_steps) -> None:
+        # A schedule function's value is checked where it is set (the
+        # engine's set_accum_steps); a mapping's were checked above.
         target = self._target()
-        accum_steps = check_accum_steps(accum_steps)
         if accum_steps == target.accum_steps:
             return
         if target.set_accum_steps(accum_steps):
