@@ -243,7 +243,7 @@ def probe(data, args) -> None:
     x, y = data
     cycle = args.micro_batch * args.accum_steps
     rows = []
-    original = model._micro_batch_gradients
+    original = model._micro_batch_pass
 
     def observed(*a, **kw):
         micro = original(*a, **kw)
@@ -253,7 +253,7 @@ def probe(data, args) -> None:
         return micro
 
     # This instance only, in this diagnostic run.
-    model._micro_batch_gradients = observed
+    model._micro_batch_pass = observed
     loss = keras.losses.SparseCategoricalCrossentropy()
     for start in range(0, len(x), cycle):
         scale = (

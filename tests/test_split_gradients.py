@@ -1,4 +1,4 @@
-"""``split_gradients.micro_batch_gradients``, the one function every model
+"""``split_gradients.split_gradients``, the one function every model
 host takes a micro-batch's gradients from, on exact small numbers: which
 gradients and which weight the engine is handed on each path (weight in
 the loss, weight on the gradients, several denominators, a float16
@@ -7,7 +7,7 @@ overflow recomputed at a smaller seed)."""
 import numpy as np
 import tensorflow as tf
 
-from gradient_accumulator.core.split_gradients import micro_batch_gradients
+from gradient_accumulator.core.split_gradients import split_gradients
 from gradient_accumulator.core.weighting import Denominator
 
 
@@ -32,7 +32,7 @@ def _two_terms():
 
 def test_one_group_with_its_weight_in_the_loss():
     tape, objective, _, w = _two_terms()
-    found = micro_batch_gradients(tape, objective, [w], [_group([0, 1], 4.0)])
+    found = split_gradients(tape, objective, [w], [_group([0, 1], 4.0)])
     # d/dw = x + 2w + 0.5
     np.testing.assert_array_equal(found.grads[0].numpy(), [5.5, 1.5])
     assert found.weight is None
@@ -42,9 +42,7 @@ def test_one_group_with_its_weight_in_the_loss():
 
 def test_one_group_with_its_weight_on_the_gradients():
     tape, objective, _, w = _two_terms()
-    found = micro_batch_gradients(
-        tape, objective, [w], [_group([0, 1], 4.0)], unscale=0.25
-    )
+    found = split_gradients(tape, objective, [w], [_group([0, 1], 4.0)], unscale=0.25)
     np.testing.assert_array_equal(found.grads[0].numpy(), [5.5, 1.5])
     assert float(found.weight) == 1.0
     assert found.parts == []
@@ -53,9 +51,7 @@ def test_one_group_with_its_weight_on_the_gradients():
 def test_several_denominators_split_the_gradient_by_group():
     tape, objective, outputs, w = _two_terms()
     groups = [_group([0], 2.0, 1.0), _group([1], 3.0, 5.0)]
-    found = micro_batch_gradients(
-        tape, objective, [w], groups, outputs=outputs, unscale=0.5
-    )
+    found = split_gradients(tape, objective, [w], groups, outputs=outputs, unscale=0.5)
     # The first group keeps its term and what no term owns: x + 0.5.
     np.testing.assert_array_equal(found.grads[0].numpy(), [1.5, 3.5])
     assert float(found.weight) == 1.0
@@ -76,7 +72,7 @@ def test_an_overflow_is_redone_at_a_smaller_seed_and_unscaled_by_it():
             # float16 backward pass: d/dw = x^T * scale, 65536 overflows.
             out = tf.matmul(tf.cast(x, tf.float16), tf.cast(w, tf.float16))
             objective = tf.cast(tf.reduce_sum(out), tf.float32) * scale
-        found = micro_batch_gradients(
+        found = split_gradients(
             tape,
             objective,
             [w],

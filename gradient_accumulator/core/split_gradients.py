@@ -3,7 +3,7 @@ one backward pass, split by loss denominator when the big batch divides its
 loss terms by different totals (see ``weighting.denominators`` and
 ``Engine.part``), or recomputed at a smaller seed when a loss-scaled
 backward pass overflows (``overflow.finite_gradients``). Plain TensorFlow;
-every model host calls :func:`micro_batch_gradients`.
+every model host calls :func:`split_gradients`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gradient_accumulator.core.weighting import Denominator
 
 @dataclasses.dataclass
 class MicroGradients:
-    """What :func:`micro_batch_gradients` hands to ``Engine.step``.
+    """What :func:`split_gradients` hands to ``Engine.step``.
 
     ``grads`` and ``weight`` go to ``step`` (``weight`` None: the weight is
     already in the loss); ``parts``, ``(grads, weight, count)`` of every
@@ -34,7 +34,7 @@ class MicroGradients:
     overflowed: tf.Tensor | None = None
 
 
-def micro_batch_gradients(
+def split_gradients(
     tape: tf.GradientTape,
     objective: tf.Tensor,
     variables: Sequence,

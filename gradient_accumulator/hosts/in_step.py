@@ -108,7 +108,7 @@ def _run_slice(model, data, batch, opened, present, start, length):
     pick = functools.partial(_slice, start=start, length=length)
     xs, ys, ws = (tf.nest.map_structure(pick, t) for t in (x, y, sample_weight))
     opens_step = tf.equal(start, 0)
-    micro = model._micro_batch_gradients(
+    micro = model._micro_batch_pass(
         xs, ys, ws, opens_step=opens_step, step_samples=batch
     )
     model._add_parts(micro)

@@ -14,7 +14,7 @@ from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator.core.arithmetic import overwritten
 from gradient_accumulator.core.loss_plan import LossPlan, loss_plan
 from gradient_accumulator.core.split_gradients import (
-    micro_batch_gradients as split_gradients,
+    split_gradients,
 )
 from gradient_accumulator.core.weighting import at, denominators
 from gradient_accumulator.hosts import loss_scale
@@ -38,7 +38,7 @@ class Micro(NamedTuple):
     overflowed: tf.Tensor | None
 
 
-def micro_batch_gradients(
+def micro_batch_pass(
     model, x, y, sample_weight, opens_step=None, step_samples=None
 ) -> Micro:
     """Forward pass, loss, weight and gradients of one micro-batch of
