@@ -6,6 +6,9 @@ tests/test_accumulate.py, tests/keras2/test_accumulate.py.)"""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 
 from gradient_accumulator import (
@@ -14,8 +17,25 @@ from gradient_accumulator import (
     accumulate,
     stop_accumulating,
 )
+from gradient_accumulator.core.settings import Settings
 from tests.flavour import LEGACY_KERAS, keras, utils
 
+# accum_steps first, then accumulate()'s keyword order.
+_ORDER = (
+    "accum_steps",
+    "micro_batch_size",
+    "partial_cycle",
+    "flush_at_end",
+    "skip_update_fn",
+    "progress_logs",
+    "use_agc",
+    "clip_factor",
+    "eps",
+    "loss_denominator",
+)
+SETTINGS_FIELDS = sorted(
+    dataclasses.fields(Settings), key=lambda field: _ORDER.index(field.name)
+)
 B = 4  # micro-batch
 K = 4  # micro-batches per update
 
@@ -123,6 +143,19 @@ def test_bad_arguments_name_the_argument_and_leave_the_model_alone():
     for thing in (None, "model", keras.layers.Dense(2)):
         with pytest.raises(TypeError, match="`model`"):
             accumulate(thing, accum_steps=K)
+
+
+def test_signature_is_the_settings_with_their_defaults_in_either_keras():
+    """One signature in both Kerases: the model, then every setting of the
+    model wrapper by name, each defaulting to ``Settings``' value (tf-keras
+    took ``**settings`` before, and refused ``micro_batch_size`` by a list)."""
+    parameters = inspect.signature(accumulate).parameters
+    assert list(parameters) == ["model", *(f.name for f in SETTINGS_FIELDS)]
+    for field in SETTINGS_FIELDS:
+        assert parameters[field.name].default == field.default, field.name
+    assert parameters["accum_steps"].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    keyword_only = [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY]
+    assert keyword_only == [f.name for f in SETTINGS_FIELDS[1:]]
 
 
 def test_stop_accumulating_a_plain_model_is_a_value_error():
