@@ -35,7 +35,7 @@ from gradient_accumulator import (  # noqa: E402
     GradientAccumulateModel,
     GradientAccumulateOptimizer,
 )
-from tests.test_batch_norm import heterogeneous, moving_stats  # noqa: E402
+from tests.keras3.test_batch_norm import heterogeneous, moving_stats  # noqa: E402
 from tests.utils import max_abs_diff, weights  # noqa: E402
 
 ACCUM, GLOBAL_MICRO, CYCLES, MOMENTUM = 2, 8, 2, 0.5

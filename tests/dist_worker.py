@@ -1,4 +1,4 @@
-"""Child process for the distributed tests (``tests/test_distributed.py``).
+"""Child process for the distributed tests (``tests/keras3/test_distributed.py``).
 
 Run from the repository root as ``python -m tests.dist_worker MODE ...``:
 
@@ -481,7 +481,7 @@ def _nan_case(case, strategy, x, y, initial, facts):
 
 
 def _denominators_case(case, strategy):
-    """BERT-like pretraining (``tests/test_denominators.py``' model): a token
+    """BERT-like pretraining (``tests/keras3/test_denominators.py``' model): a token
     head averaged over the masked positions (``mean_with_sample_weight``,
     per-token weights) beside a sequence head averaged over the sequences.
     Each replica's micro-batch holds its own number of masked tokens, so the
@@ -495,7 +495,7 @@ def _denominators_case(case, strategy):
 
     from gradient_accumulator import GradientAccumulateModel
     from tests import utils
-    from tests.test_denominators import _corpus, _losses, _pretraining
+    from tests.keras3.test_denominators import _corpus, _losses, _pretraining
 
     corpora = [_corpus(seed) for seed in (0, 1)]  # 2 x 32 sequences
     x = np.concatenate([c[0] for c in corpora])

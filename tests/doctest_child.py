@@ -1,5 +1,5 @@
 """The child script that runs a package's ``>>>`` examples, for
-tests/test_snippets.py (Keras 3) and tests/keras2/test_doctests.py (tf-keras).
+tests/keras3/test_snippets.py (Keras 3) and tests/keras2/test_doctests.py (tf-keras).
 
 It prints ``doctest LABEL attempted N failed F`` for each module searched, then
 for ``__all__``: a module's search keeps only objects it finds to be its own

@@ -4,7 +4,7 @@ workers, so the tests using one stay together on one worker (one group per
 file), and every other test goes wherever a worker is free.
 
 Kept apart from ``tests/conftest.py`` (which imports TensorFlow) so that
-``tests/test_supported_versions.py`` can check the grouping in a small
+``tests/keras3/test_supported_versions.py`` can check the grouping in a small
 pytest run of its own: pytest 9.2 broke it silently (pytest-xdist#1386).
 """
 

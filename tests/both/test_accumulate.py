@@ -2,7 +2,7 @@
 compiled before it accumulates at its next ``fit``; the model wrapper over
 the optimizer wrapper warns and updates every product; what they refuse,
 and how they say so. (Exactness, saving and undo per Keras:
-tests/test_accumulate.py, tests/keras2/test_accumulate.py.)"""
+tests/keras3/test_accumulate.py, tests/keras2/test_accumulate.py.)"""
 
 from __future__ import annotations
 

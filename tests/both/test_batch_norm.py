@@ -1,6 +1,6 @@
 """``AccumBatchNormalization``, in each Keras: what its arguments and its
 model refuse, and how it says so. (Its statistics per Keras:
-tests/test_batch_norm.py, tests/keras2/test_batch_norm.py.)"""
+tests/keras3/test_batch_norm.py, tests/keras2/test_batch_norm.py.)"""
 
 from __future__ import annotations
 

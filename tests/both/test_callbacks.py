@@ -6,7 +6,7 @@ Keras swaps the EMA weights in (``finalize_variable_values``) after the last
 epoch and before ``on_train_end``: a flush after that swap trains the
 averaged weights and is off the big batch (0.022 on this model before the
 fix, with ``every_epoch=False``). (The other cycle controls per Keras:
-tests/test_training_control.py, tests/keras2/test_callbacks.py.)
+tests/keras3/test_training_control.py, tests/keras2/test_callbacks.py.)
 """
 
 from __future__ import annotations

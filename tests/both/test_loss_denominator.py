@@ -270,8 +270,9 @@ def test_declared_own_loss_under_mixed_float16_is_as_close_as_keras_mixed(mode):
     """Under a loss scale the sum is not scaled down before its backward
     pass, and the entry mean is weighed by its count on its unscaled
     gradients. Float16 rounds the gradients' sums over samples (the big
-    batch's over 8, ours over 4), so the bound is tests/test_mixed_precision.py's:
-    no further from float32 than plain Keras mixed is, within a factor 2.
+    batch's over 8, ours over 4), so the bound is
+    tests/keras3/test_mixed_precision.py's: no further from float32 than
+    plain Keras mixed is, within a factor 2.
     On data float16 holds exactly the gap is 0 (the next test)."""
     for name in ("sum", "entries"):
         keras_mixed = utils.max_abs_diff(

@@ -2,7 +2,7 @@
 
 A model that accumulation reproduces must pass with differences at round-off
 level; models with BatchNormalization, Dropout, noise or per-call state must
-fail and name that layer and why. (The console command: tests/test_verify.py.)
+fail and name that layer and why. (The console command: tests/keras3/test_verify.py.)
 """
 
 from __future__ import annotations

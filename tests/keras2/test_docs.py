@@ -1,9 +1,9 @@
 """The tf-keras page's Python blocks run as shown, where tf.keras is tf-keras
-(the Keras 3 pages run in tests/test_snippets.py)."""
+(the Keras 3 pages run in tests/keras3/test_snippets.py)."""
 
 import pytest
 
-from tests.test_snippets import KERAS2_PAGES, python_blocks, run_page_blocks
+from tests.keras3.test_snippets import KERAS2_PAGES, python_blocks, run_page_blocks
 
 
 @pytest.mark.parametrize("page", KERAS2_PAGES, ids=lambda p: p.name)

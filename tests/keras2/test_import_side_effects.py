@@ -1,14 +1,15 @@
 """Under tf-keras, importing the package starts no TensorFlow runtime: a
 script can still set its threads and devices after its imports, as it can
-under Keras 3 (``tests/test_quiet_start.py``, whose child script this runs).
+under Keras 3 (``tests/keras3/test_quiet_start.py``, whose child script this
+runs).
 The tf-keras hosts once built a ``LossScaleOptimizer`` at import to learn
 its class, which created a variable and so started the runtime."""
 
 import pkgutil
 
 import gradient_accumulator.keras2 as keras2
+from tests.keras3.test_quiet_start import CONFIGURE_AFTER_IMPORT
 from tests.processes import TIMEOUT, describe, run_script
-from tests.test_quiet_start import CONFIGURE_AFTER_IMPORT
 
 
 def test_tensorflow_can_be_configured_after_importing_the_package():

@@ -3,7 +3,7 @@ tf-keras' ``LossScaleOptimizer``, current and legacy) and ``mixed_bfloat16``
 train as close to float32 as tf-keras' own mixed big batch does, keep the
 scale per cycle as the big batch keeps it per step, and skip an overflowing
 cycle whole, as the big batch skips its step. Tolerances: see
-tests/test_mixed_precision.py (the Keras 3 version)."""
+tests/keras3/test_mixed_precision.py (the Keras 3 version)."""
 
 import pytest
 import tf_keras

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tests import utils
-from tests.test_mixed_precision import (
+from tests.keras3.test_mixed_precision import (
     CYCLE,
     F16_ATOL,
     LSO,

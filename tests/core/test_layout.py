@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gradient_accumulator"
+PACKAGE = Path(__file__).resolve().parents[2] / "gradient_accumulator"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 LIMITS = {"module": 600, "class": 400, "function": 80}
 # 0.5.x import paths, kept as they were (``accumulators`` beside

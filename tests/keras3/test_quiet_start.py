@@ -131,7 +131,7 @@ def test_every_example_is_run_by_a_test_that_checks_its_verdict():
     """Each example's --quick run is tested, and that test checks the last
     line (``verdict(...)``): an example cannot end without one unnoticed."""
     checked = set()
-    for path in (REPO / "tests").glob("test_*.py"):
+    for path in (REPO / "tests" / "keras3").glob("test_*.py"):
         for source in _tests_with_their_helpers(path):
             if "verdict(result)" in source:
                 checked.update(re.findall(r"examples/(\w+\.py)", source))
@@ -188,7 +188,7 @@ def test_every_example_run_is_checked_for_tensorflow_log_lines():
     checks the whole output for TensorFlow log lines (``assert_quiet``): one
     run per example checks its numbers, its verdict and its quiet."""
     checked = set()
-    for path in (REPO / "tests").glob("test_*.py"):
+    for path in (REPO / "tests" / "keras3").glob("test_*.py"):
         for body in _tests_with_their_helpers(path):
             if "run_like_a_user(" in body and "assert_quiet(result)" in body:
                 checked.update(re.findall(r"examples/(\w+\.py)", body))

@@ -23,7 +23,7 @@ try:
     import keras_hub
 except ImportError as error:  # not a skip: CI installs it
     raise ImportError(
-        "tests/test_reload_trainable_set.py needs keras-hub: "
+        "tests/keras3/test_reload_trainable_set.py needs keras-hub: "
         "pip install -e '.[test,hub]'"
     ) from error
 
@@ -54,7 +54,7 @@ def _rows(data, n: int):
 
 # ----------------------------------------------------------- keras-hub LoRA
 VOCABULARY, LENGTH = 64, 12
-# A GPT-2 small enough for a test (the same in tests/test_keras_hub.py).
+# A GPT-2 small enough for a test (the same in tests/keras3/test_keras_hub.py).
 TINY = {"num_heads": 2, "hidden_dim": 16, "intermediate_dim": 32, "dropout": 0.0}
 
 

@@ -1,5 +1,5 @@
 """Several loss denominators (MLM over masked tokens + NSP over sequences,
-``tests/test_denominators.py``) under the compile/fit modes and optimizers
+``tests/keras3/test_denominators.py``) under the compile/fit modes and optimizers
 that touch the extra gradient sums (``Engine.part``): XLA, mixed_float16
 (loss scaling and the backward share unscale every group), steps_per_execution
 over an unknown-length ``tf.data`` pipeline, Adam and ``global_clipnorm``
@@ -16,7 +16,7 @@ import tensorflow as tf
 from tensorflow.python.framework import config as tf_config
 
 from tests import utils
-from tests.test_denominators import (
+from tests.keras3.test_denominators import (
     LENGTH,
     LR,
     MICRO,
@@ -28,7 +28,7 @@ from tests.test_denominators import (
     _pretraining,
     _weights,
 )
-from tests.test_mixed_precision import MARGIN
+from tests.keras3.test_mixed_precision import MARGIN
 
 CYCLE = MICRO * K
 CLIPNORM = 0.02  # the first big batch's gradient norm is ~0.17 (asserted >4x)
@@ -92,7 +92,7 @@ def test_mixed_float16_is_as_close_to_float32_as_keras_mixed():
     """mixed_float16 (compile wraps SGD in a LossScaleOptimizer; every group's
     gradients are unscaled by the loss scale and the backward share):
     accumulating is no further from the float32 big batch than Keras' own
-    mixed big batch is, times ``MARGIN`` (tests/test_mixed_precision.py).
+    mixed big batch is, times ``MARGIN`` (tests/keras3/test_mixed_precision.py).
 
     Measured: ours 1.0e-4, Keras' mixed 7.1e-5 (ratio 1.4; 0.4 to 1.6 over
     corpus seeds 0-5). The leader's float16 gradients are the whole
@@ -196,7 +196,7 @@ class _DenseEmbedding(keras.layers.Embedding):
 
 
 def _dense_pretraining():
-    """``tests.test_denominators._pretraining()`` with ``_DenseEmbedding``."""
+    """``tests.keras3.test_denominators._pretraining()`` with ``_DenseEmbedding``."""
 
     def layers():
         tokens = keras.Input((LENGTH,), dtype="int32")

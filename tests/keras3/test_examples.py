@@ -78,7 +78,7 @@ def test_overhead_benchmark_quick_prints_table():
 @pytest.mark.script
 def test_epoch_benchmark_quick_prints_table_and_targets(tmp_path):
     """Its table and verdicts, and with ``--plot`` (the benchmarks page's
-    figure, tests/test_docs.py) the figure too, the table left as it was."""
+    figure, tests/keras3/test_docs.py) the figure too, the table left as it was."""
     result = run_script("benchmarks/epoch.py", "--quick", "--plot", str(tmp_path))
     assert result.returncode == 0, describe(result)
     assert_quiet(result)

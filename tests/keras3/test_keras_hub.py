@@ -29,7 +29,7 @@ try:
     import keras_hub
 except ImportError as error:  # not a skip: CI installs it
     raise ImportError(
-        "tests/test_keras_hub.py needs keras-hub: pip install -e '.[test,hub]' "
+        "tests/keras3/test_keras_hub.py needs keras-hub: pip install -e '.[test,hub]' "
         "(keras-hub pulls tensorflow-text, which pins a matching tensorflow)."
     ) from error
 
@@ -49,7 +49,8 @@ LENGTH = 12  # the preprocessor's sequence_length
 LETTERS = "abcdefgh"
 
 
-# A GPT-2 small enough for a test (the same in tests/test_reload_trainable_set.py).
+# A GPT-2 small enough for a test (the same in
+# tests/keras3/test_reload_trainable_set.py).
 TINY = {"num_heads": 2, "hidden_dim": 16, "intermediate_dim": 32, "dropout": 0.0}
 
 

@@ -28,7 +28,7 @@ import gradient_accumulator
 from gradient_accumulator import _requirements
 from tests import processes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 300  # seconds per child process; subprocess.run kills it on expiry
 SDIST_FILES = ("setup.cfg", "pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md")
 

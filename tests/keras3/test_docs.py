@@ -180,7 +180,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def test_benchmarks_page_shows_the_epoch_benchmarks_figure():
     """The benchmarks page's figure is the one ``benchmarks/epoch.py --plot``
-    writes (tests/test_examples.py's run of it draws one too)."""
+    writes (tests/keras3/test_examples.py's run of it draws one too)."""
     name = "epoch-time-ratios.png"
     readme = (REPO / "benchmarks" / "README.md").read_text(encoding="utf-8")
     assert f"](../docs/_static/{name})" in readme

@@ -4,7 +4,7 @@ outputs and regularisation, against plain Keras on the big batch.
 ``GradientAccumulateModel`` weights each micro-batch by the denominator Keras
 divides its loss by. Terms divided by different quantities are summed apart,
 one sum per denominator, each divided by its own total at the cycle's end
-(``tests/test_denominators.py`` has the BERT-style case).
+(``tests/keras3/test_denominators.py`` has the BERT-style case).
 """
 
 from __future__ import annotations

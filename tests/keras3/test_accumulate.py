@@ -8,7 +8,7 @@ batch (same initial weights, ``utils.ATOL``), in the streaming mode
 guarantees of ``GradientAccumulateModel`` (weights lists, ``.keras`` files
 with a pending cycle, recompiling, unknown-length data, distribution, mixed
 precision) are checked for it too. keras-hub task models are in
-tests/test_keras_hub.py.
+tests/keras3/test_keras_hub.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests import utils
 B = 4  # micro-batch
 K = 4  # micro-batches per update
 N = 56  # 14 micro-batches: 3 full cycles and a partial one (a short last batch)
-F16_ATOL = 1e-4  # tests/test_mixed_precision.py's tolerance under mixed_float16
+F16_ATOL = 1e-4  # tests/keras3/test_mixed_precision.py's tolerance under mixed_float16
 
 
 @keras.saving.register_keras_serializable(package="tests_accumulate")
