@@ -2,10 +2,14 @@
 clean session and float32 policy for every test, in whichever Keras the
 session runs (``tests/flavour.py``).
 
-``pytest tests`` runs the Keras 3 suite (``tests/*.py``) and the shared tests
-(``tests/both``), or, where TensorFlow routes ``tf.keras`` to tf-keras
+``pytest tests`` runs, under Keras 3, the Keras 3 suite (``tests/keras3``),
+the Keras-neutral tests (``tests/core``) and the shared tests
+(``tests/both``); where TensorFlow routes ``tf.keras`` to tf-keras
 (``TF_USE_LEGACY_KERAS``), the tf-keras suite (``tests/keras2``) and the
-shared tests: there, two logical CPUs for ``MirroredStrategy``.
+shared tests: there, two logical CPUs for ``MirroredStrategy``. The
+Keras-neutral tests import no Keras, so their outcome is the same in either:
+they run once, in the Keras 3 session (a path given on the command line is
+collected in either). See ``tests/README.md``.
 """
 
 import os
@@ -21,6 +25,7 @@ from tests.flavour import HERE, LEGACY_KERAS
 
 LEGACY_TESTS = "keras2"  # the tf-keras tests' directory, beside this file
 SHARED_TESTS = "both"  # the tests of both Kerases, beside this file
+# Keras 3 sessions collect every other directory: tests/keras3, tests/core.
 
 # pytest's documented hook: paths (relative to this directory) not collected.
 if LEGACY_KERAS:
