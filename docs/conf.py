@@ -1,6 +1,6 @@
 """Sphinx configuration: MyST Markdown pages plus autodoc of the public API.
 
-Build: ``python -m sphinx -W -b html docs docs/_build/html`` (tests/test_docs.py
+Build: ``python -m sphinx -W -b html docs docs/_build/html`` (tests/keras3/test_docs.py
 runs exactly this, so a warning fails CI).
 """
 

@@ -1,7 +1,7 @@
 """Every private Keras / TensorFlow name this package relies on, in one place.
 
 Keras and TensorFlow do not promise to keep these. Each has a test in
-``tests/test_keras_compat.py``, so a release that moves or changes one fails
+``tests/keras3/test_keras_compat.py``, so a release that moves or changes one fails
 there, by name, instead of somewhere inside a train step. An import that
 fails here names the installed Keras version and the tested range.
 """

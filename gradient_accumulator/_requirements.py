@@ -3,7 +3,7 @@ process uses, and a check of what is installed that imports neither
 TensorFlow nor Keras.
 
 The ranges are defined here and only here: ``setup.cfg`` repeats them for
-pip, and ``tests/test_supported_versions.py`` checks that it says the same.
+pip, and ``tests/keras3/test_supported_versions.py`` checks that it says the same.
 The package depends on no particular TensorFlow distribution (``tensorflow``,
 ``tensorflow-cpu``, ``tensorflow[and-cuda]``, a nightly...), so pip cannot
 enforce the TensorFlow range: ``import gradient_accumulator`` does, with

@@ -1,7 +1,7 @@
 """The private TensorFlow names the engine relies on (it imports no Keras).
 
 ``_keras_compat`` re-exports them, so each has its test, by name, in
-``tests/test_keras_compat.py`` with the Keras names.
+``tests/keras3/test_keras_compat.py`` with the Keras names.
 """
 
 from __future__ import annotations
