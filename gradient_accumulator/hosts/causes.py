@@ -80,7 +80,7 @@ def own_causes(
             if optimization[0] == "quantization":
                 causes.append(prefix + QUANTIZATION.format(k=accum_steps))
             # A pruning wrapper's cause is its step: see state_causes.
-        elif isinstance(sub, flavour.public("AccumBatchNormalization")):
+        elif isinstance(sub, flavour.batch_norm_layer()):
             causes.append(prefix + ACCUM_BATCH_NORM)
         elif isinstance(sub, flavour.batch_norms):
             causes.append(prefix + BATCH_NORM)

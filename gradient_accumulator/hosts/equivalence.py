@@ -243,7 +243,7 @@ def run(
     flavour.keras.utils.set_random_seed(int(checked.seed))
     template = _build(flavour, model_fn)
     _check_independent(source, template)
-    accumulated = flavour.public("GradientAccumulateModel")(
+    accumulated = flavour.model_wrapper()(
         accum_steps=checked.accum_steps,
         inputs=template.inputs,
         outputs=template.outputs,
@@ -379,7 +379,7 @@ def _check_independent(first: Any, second: Any) -> None:
 
 
 def _optimizer_spec(flavour: Flavour, optimizer: Any, model: Any) -> Any:
-    accumulating = flavour.public("GradientAccumulateOptimizer")
+    accumulating = flavour.optimizer_wrapper()
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:

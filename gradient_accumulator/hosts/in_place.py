@@ -4,7 +4,7 @@ the instance gets a private class derived from its Keras' model wrapper and
 its own class. The public function ``accumulate`` of each Keras is made in
 ``hosts/public.py`` and calls :func:`start` (``stop_accumulating``, which
 needs no Keras, is this module's); the host learns the Keras from its
-flavour record."""
+flavour."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def start(flavour: Flavour, model, settings: Callable[[], Settings]):
             f"Received: model={model!r} of type {type(model).__name__}. "
             + other_keras(model, flavour.name, "`model`")
         )
-    if isinstance(model, flavour.public("GradientAccumulateModel")):
+    if isinstance(model, flavour.model_wrapper()):
         raise ValueError(
             f"This {type(model).__name__} accumulates already; call "
             "stop_accumulating(model) first to change its settings."
@@ -119,7 +119,7 @@ def _accumulating_class(flavour: Flavour, own: type) -> type:
 
         cls = type(
             own.__name__,
-            (flavour.public("GradientAccumulateModel"), own),
+            (flavour.model_wrapper(), own),
             {
                 "__module__": own.__module__,
                 "__qualname__": own.__qualname__,

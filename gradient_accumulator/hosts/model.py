@@ -96,7 +96,7 @@ class ModelHost(Flavoured):
                 super().__init__,
                 args,
                 kwargs,
-                host=self._flavour.public(_NAME),
+                host=self._flavour.model_wrapper(),
                 functional=self._flavour.functional,
                 variants=_functional_variants,
                 namespace=self._variant_namespace,
@@ -323,7 +323,7 @@ class ModelHost(Flavoured):
         path (``follow=False``) the layers act alone; both check their
         ``accum_steps`` against the model's."""
         steps = self._accumulator.accum_steps
-        batch_norm = self._flavour.public("AccumBatchNormalization")
+        batch_norm = self._flavour.batch_norm_layer()
         for layer in self._flavour.sublayers(self)[1:]:
             if isinstance(layer, batch_norm):
                 layer.follow_model(self._accumulator, steps, link=follow)

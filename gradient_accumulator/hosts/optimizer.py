@@ -47,7 +47,7 @@ class OptimizerHost(Flavoured):
         # The optimizer handed in decides which Keras's wrapper wraps it.
         flavour = flavour_of(optimizer)
         if flavour is not None and flavour.name != cls._flavour.name:
-            return flavour.public(NAME)(optimizer, *args, **kwargs)
+            return flavour.optimizer_wrapper()(optimizer, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

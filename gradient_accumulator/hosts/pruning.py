@@ -1,5 +1,5 @@
 """The logic of ``PruningStepPerUpdate``, TensorFlow Model Optimization's
-``UpdatePruningStep`` for accumulation: written against the flavour record
+``UpdatePruningStep`` for accumulation: written against the flavour's hooks
 (TF-MOT builds on tf-keras, whose flavour gives its names); the public
 callback is a thin tf-keras class over it."""
 

@@ -2,7 +2,7 @@
 and tf-keras: a copy of the model in which every BatchNormalization of the
 Keras is an ``AccumBatchNormalization`` with the same configuration and
 state. Each Keras' ``convert`` module keeps the public function and its docs;
-the host learns the Keras from its flavour record."""
+the host learns the Keras from its flavour."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
             "AccumBatchNormalization in its code instead."
         )
 
-    accum_batch_norm = flavour.public("AccumBatchNormalization")
-    wrapper = flavour.public("GradientAccumulateModel")
+    accum_batch_norm = flavour.batch_norm_layer()
+    wrapper = flavour.model_wrapper()
     pairs: list[tuple[object, object]] = []
 
     def clone_layer(layer):

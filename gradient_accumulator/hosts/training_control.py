@@ -17,9 +17,9 @@ def accumulating(model, flavour: Flavour):
     """The object that owns ``model``'s accumulation: the model itself if it is
     a model wrapper of ``flavour``'s Keras, else its optimizer wrapper (also
     inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    if isinstance(model, flavour.public("GradientAccumulateModel")):
+    if isinstance(model, flavour.model_wrapper()):
         return model
-    optimizer_class = flavour.public("GradientAccumulateOptimizer")
+    optimizer_class = flavour.optimizer_wrapper()
     optimizer = getattr(model, "optimizer", None)
     while optimizer is not None:
         if isinstance(optimizer, optimizer_class):
