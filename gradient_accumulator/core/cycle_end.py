@@ -4,21 +4,26 @@ accumulate-or-apply decision (:func:`decide`, a ``tf.cond`` on
 (:func:`end_cycle`: the sums, all-reduced once, applied if finite or
 skipped, then reset) and the mean gradient each replica applies
 (:func:`apply_groups`); and a cycle ended outside the train step
-(:func:`end_eagerly`, for :meth:`Engine.flush` and :meth:`Engine.drop`).
+(:func:`eager_end`, for :meth:`Engine.flush` and :meth:`Engine.drop`).
 
-These functions take the engine that decides (the leader); its followers'
-and parts' groups ride along. The sums themselves (packed, unpacked, read,
-joined, reset) are :mod:`gradient_accumulator.core.reduce`'s.
+These functions take the state record (:class:`~.engine_state.EngineState`)
+of the engine that decides (the leader), the groups of the update (the
+leader's, then its followers' and parts') and the host's :class:`Hooks`.
+The sums themselves (packed, unpacked, read, joined, reset) are
+:mod:`gradient_accumulator.core.reduce`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import tensorflow as tf
 
-from gradient_accumulator.core import arithmetic, reduce
+from gradient_accumulator.core import arithmetic, engine_state, reduce
 from gradient_accumulator.core.agc import adaptive_clip_grad
+from gradient_accumulator.core.engine_state import EngineState
 from gradient_accumulator.core.links import Group
 
 
@@ -26,56 +31,71 @@ def nothing(*_) -> None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What is called at the end of a cycle: ``on_apply`` after the update
+    (with a bool tensor, True if a micro-batch of the cycle overflowed at
+    the loss scale, when ``overflow_flag``: the host reports overflows),
+    ``on_skip`` instead of it; and ``skip_update_fn`` (the engine's setting),
+    which may drop a cycle as a non-finite one is."""
+
+    on_apply: Callable[..., None] = nothing
+    on_skip: Callable[[], None] = nothing
+    skip_update_fn: Callable | None = None
+    overflow_flag: bool = False
+
+
 def _call(fn, *args) -> None:
     # tf.cond needs both branches to return the same (here: nothing).
     fn(*args)
 
 
-def decide(engine, strategy, token, group, last, on_apply, on_skip):
-    """Accumulates ``group``'s micro-batch, or ends the cycle with it
+def decide(
+    state: EngineState,
+    strategy,
+    token,
+    take_groups: Callable[[], list[Group]],
+    last,
+    hooks: Hooks,
+):
+    """Accumulates the leader's micro-batch, or ends the cycle with it
     (:func:`end_cycle`); returns the decision, a bool tensor. The target of
-    :meth:`Engine.end_micro_step`'s ``merge_call``."""
+    :meth:`Engine.end_micro_step`'s ``merge_call``: ``take_groups()`` gives
+    the leader's group, then those its followers recorded in the step."""
     # Runs in cross-replica context: TensorFlow forbids merge_call (which
     # the all-reduce and Keras' optimizer use) inside a tf.cond in replica
     # context, so the conditionals live here and the optimizer is driven
     # back in replica context, as Keras' LossScaleOptimizer does.
-    groups = [group, *take_followers(engine)]
+    groups = take_groups()
+    group = groups[0]
 
     def update():
-        end_cycle(engine, strategy, groups, last, on_apply, on_skip)
+        end_cycle(state, strategy, groups, last, hooks)
 
     def accumulate():
         if last is not None:
             grads, weight, count, samples, empty = last
-            engine.add(grads, group.variables, weight, count, samples, empty)
-        engine.micro_step.assign_add(1)
+            engine_state.add(
+                state, grads, group.variables, weight, count, samples, empty
+            )
+        state.micro_step.assign_add(1)
 
     if last is not None:
         # Read early, like the predicate below, for the same reason: the
         # cond on it inside either branch then waits for no copy.
-        last = (*last, tf.convert_to_tensor(arithmetic.raw(engine.empty)))
+        last = (*last, tf.convert_to_tensor(arithmetic.raw(state.empty)))
 
     # The predicate reads only the counter, not the micro-batch: on a GPU
     # its copy to the host (a cond's predicate is read there) overlaps the
     # forward and backward passes, as Keras' own accumulation's does.
     # Only the cond, which changes the state, waits for the data.
-    is_update = engine.micro_step + 1 >= engine.accum_steps_variable
+    is_update = state.micro_step + 1 >= state.accum_steps_variable
     with tf.control_dependencies(strategy.experimental_local_results(token)):
         tf.cond(is_update, update, accumulate)
     return is_update
 
 
-def take_followers(engine) -> list[Group]:
-    """The groups ``engine``'s followers recorded in this step, taken."""
-    groups = []
-    for follower in engine._wiring.followers:
-        if follower._wiring.pending is not None:
-            groups.append(follower._wiring.pending)
-            follower._wiring.pending = None
-    return groups
-
-
-def end_cycle(engine, strategy, groups, last, on_apply, on_skip) -> None:
+def end_cycle(state: EngineState, strategy, groups, last, hooks: Hooks) -> None:
     """Applies the cycle's mean gradient of every group if it is finite (and
     ``skip_update_fn`` agrees), or drops the cycle; then starts a new one.
     ``last``: the cycle's last micro-batch, not yet added (see
@@ -95,7 +115,7 @@ def end_cycle(engine, strategy, groups, last, on_apply, on_skip) -> None:
     else:
         total = None
         sums = [reduce.read(g, last if i == 0 else None) for i, g in enumerate(groups)]
-        overflows = tf.convert_to_tensor(arithmetic.raw(engine.overflows))
+        overflows = tf.convert_to_tensor(arithmetic.raw(state.overflows))
     applied, sums = reduce.join_parts(groups, sums)
     grads, weight_sum, samples = sums[0]
     inverse = tf.math.divide_no_nan(tf.constant(1.0), weight_sum)
@@ -107,9 +127,9 @@ def end_cycle(engine, strategy, groups, last, on_apply, on_skip) -> None:
     others += [g for g, m in zip(grads, maxima) if m]
     squares = leader + arithmetic.squared_norm([weight_sum, *others])
     ok = tf.math.is_finite(squares)
-    if engine.skip_update_fn is not None:
+    if hooks.skip_update_fn is not None:
         mean = arithmetic.divide(grads, applied[0].variables, inverse)
-        skip = tf.cast(engine.skip_update_fn(mean, applied[0].variables), tf.bool)
+        skip = tf.cast(hooks.skip_update_fn(mean, applied[0].variables), tf.bool)
         ok = tf.logical_and(ok, tf.logical_not(tf.reshape(skip, [])))
 
     def apply():
@@ -117,19 +137,19 @@ def end_cycle(engine, strategy, groups, last, on_apply, on_skip) -> None:
         # included; without one the joined sums are already at hand.
         args = (groups, total, None) if replicated else (applied, None, sums)
         strategy.extended.call_for_each_replica(apply_groups, args=args)
-        engine.last_grad_norm.assign(tf.sqrt(leader) * inverse)
-        engine.last_batch.assign(samples)
-        if engine._wiring.overflows:
-            on_apply(overflows > 0)
+        state.last_grad_norm.assign(tf.sqrt(leader) * inverse)
+        state.last_batch.assign(samples)
+        if hooks.overflow_flag:
+            hooks.on_apply(overflows > 0)
         else:
-            on_apply()
+            hooks.on_apply()
 
     def skip():
         each_replica(strategy, reduce.zero, groups)
-        on_skip()
+        hooks.on_skip()
 
     tf.cond(ok, apply, skip)
-    restart(engine, strategy, groups)
+    restart(state, strategy, groups)
 
 
 def each_replica(strategy, fn, groups) -> None:
@@ -140,11 +160,11 @@ def each_replica(strategy, fn, groups) -> None:
         fn(groups)
 
 
-def restart(engine, strategy, groups) -> None:
+def restart(state: EngineState, strategy, groups) -> None:
     """An empty cycle, at the cycle length asked for last."""
     each_replica(strategy, reduce.reset, groups)
-    engine.micro_step.assign(0)
-    engine.accum_steps_variable.assign(engine.next_accum_steps)
+    state.micro_step.assign(0)
+    state.accum_steps_variable.assign(state.next_accum_steps)
 
 
 def mean_gradient(group: Group, sums, weight_sum) -> list:
@@ -186,57 +206,20 @@ def apply_groups(groups: list[Group], total, sums) -> None:
             tf.cond(weight_sum > 0, apply, nothing)
 
 
-def group_now(engine) -> Group | None:
-    """This accumulator's part of a cycle end, from its host's binding
-    as it is now (variables, optimizer)."""
-    binding = engine._wiring.binding
-    if not engine.built or binding is None:
-        return None
-    variables = list(binding.variables())
-    buffers = engine._buffers_for(variables)
-    # Which variables had gradients is structural: as in the last traced
-    # step, or all of them before any step was traced (a loaded model).
-    present = [engine._wiring.present.get(id(b), True) for b in buffers]
-    return Group(engine, variables, buffers, present, binding.apply_fn())
+def eager_end(state: EngineState, how: str, strategy, groups, hooks: Hooks):
+    """A compiled function that ends the current cycle outside a train step,
+    if it holds anything: ``how`` is "flush" (apply what it holds) or "drop";
+    ``groups``: the leader's and its followers', as their hosts bind them
+    now. Call it eagerly, under ``strategy``'s scope."""
 
+    def end():
+        def run():
+            if how == "flush":
+                end_cycle(state, strategy, groups, None, hooks)
+            else:
+                each_replica(strategy, reduce.zero, groups)
+                restart(state, strategy, groups)
 
-def end_eagerly(engine, how: str, strategy) -> None:
-    """Ends the current cycle outside a train step: ``how`` is "flush"
-    (apply what it holds) or "drop". Eager; one compiled function per
-    way and strategy."""
-    if engine._wiring.leader is not None:
-        raise ValueError(
-            "This accumulator follows another one; flush or drop the "
-            "cycle of the model it follows."
-        )
-    group = group_now(engine)
-    if group is None or engine.pending == 0:
-        return
-    binding = engine._wiring.binding
-    strategy = strategy or binding.strategy()
-    key = (how, id(strategy))
-    if key not in engine._wiring.flush_fns:
-        followers = [group_now(f) for f in engine._wiring.followers]
-        groups = [group, *(g for g in followers if g is not None)]
-        on_apply, on_skip = binding.hooks()
+        tf.cond(state.micro_step > 0, run, nothing)
 
-        def end():
-            def run():
-                if how == "flush":
-                    end_cycle(
-                        engine,
-                        strategy,
-                        groups,
-                        None,
-                        on_apply or nothing,
-                        on_skip or nothing,
-                    )
-                else:
-                    each_replica(strategy, reduce.zero, groups)
-                    restart(engine, strategy, groups)
-
-            tf.cond(engine.micro_step > 0, run, nothing)
-
-        engine._wiring.flush_fns[key] = tf.function(end)
-    with strategy.scope():
-        engine._wiring.flush_fns[key]()
+    return tf.function(end)

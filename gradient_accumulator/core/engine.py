@@ -4,8 +4,9 @@ It imports no Keras; each host (the Keras 3 model and optimizer wrappers,
 the batch-normalisation layer) translates its own objects into the calls
 below.
 
-An :class:`Engine` keeps, in float32 variables its host creates (see
-:meth:`Engine._make_variable`) and saves:
+An :class:`Engine` keeps its state in one record, an
+:class:`~.engine_state.EngineState` (:attr:`Engine.state`), of variables its
+host creates (see :meth:`Engine._make_variable`) and saves:
 
 * ``grad_sums[i] = sum_k w_k * g_k[i]``: the weighted sum of micro-batch
   gradients for every trainable variable ``i``;
@@ -21,8 +22,10 @@ An :class:`Engine` keeps, in float32 variables its host creates (see
   gradient and how many samples its cycle held, for logs;
 * ``overflows``: how many micro-batches of the cycle overflowed at the loss
   scale and were differentiated again at a smaller seed (the host reports
-  them; the scale's ``on_apply`` hook halves the scale after such a cycle);
-* ``parts``: an accumulator per extra loss denominator (:meth:`Engine.part`).
+  them; the scale's ``on_apply`` hook halves the scale after such a cycle).
+
+Beside it, the engine holds ``parts``, an accumulator (with a record of its
+own) per extra loss denominator (:meth:`Engine.part`).
 
 The interface, for hosts (which never read these variables themselves):
 
@@ -53,22 +56,26 @@ and the leader decides, all-reduces (in the same single all-reduce) and
 applies for both. This is how batch-normalisation statistics follow the
 model's cycle with one counter.
 
-Where the rules live. :class:`Engine` is the interface above and the
-micro-step's replica-context half: making its variables, adding a
-micro-batch (:meth:`~Engine.add`, :meth:`~Engine.step`) and ending a
-micro-step (:meth:`~Engine.end_micro_step`). The rest it hands to a module
-per concern, each a set of functions that take the engine:
+Where the rules live. :class:`Engine` is the interface above: it holds
+its state record (and tracks its variables under the names checkpoints
+know), ends a micro-step (:meth:`~Engine.end_micro_step`) and gathers what
+a cycle's end needs (the groups, the host's hooks), with
+:class:`CycleSchedule` (the cycle's length and position) as a mixin. The
+rest it hands to a module per concern, each a set of functions that take
+the record and explicit arguments and read or set no private attribute of
+an engine's:
 
+* ``engine_state.py``: the record (:class:`~.engine_state.EngineState`),
+  made and remade for other variables, a micro-batch added to it, listed
+  for a file, loaded from one and restarted;
 * ``cycle_end.py``: the decision and the update that ends a cycle (read or
   all-reduce the sums, check them, apply or skip, reset), and a cycle ended
   outside the train step (flush, drop);
 * ``reduce.py``: the update's sums: packed into the one all-reduce and
   unpacked, or read in place on one replica; parts joined; buffers reset;
-* ``engine_state.py``: the state variables made (build), listed for a file
-  and loaded from one;
 * ``links.py``: the Python-side links (host binding, leader and followers,
-  parts), as the :class:`~.links.Links` mixin and its records
-  (:class:`~.links.Binding`, :class:`~.links.Group`).
+  parts), as the :class:`~.links.Links` mixin of the engine and its
+  records (:class:`~.links.Binding`, :class:`~.links.Group`).
 
 None of them imports this module, so the core has no import circle.
 """
@@ -80,19 +87,91 @@ from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
-from gradient_accumulator.core import arithmetic, cycle_end, engine_state
+from gradient_accumulator.core import arithmetic, cycle_end, engine_state, saved_state
+from gradient_accumulator.core.engine_state import EngineState
 from gradient_accumulator.core.links import ApplyFn, Group, Links, Wiring
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.core.validation import check_accum_steps
 
 
-class Engine(Links, tf.Module):
+class CycleSchedule:
+    """How long cycles are, now and from the next one on, and how far the
+    current one is: what a host asks an :class:`Engine` when it traces its
+    step and between steps. A mixin of :class:`Engine`, whose ``state``,
+    ``use_agc``, ``skip_update_fn`` and ``_initial_accum_steps`` it reads.
+    """
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches the current cycle holds (eager)."""
+        return arithmetic.now(self.state.micro_step) if self.built else 0
+
+    def opens_cycle(self) -> tf.Tensor:
+        """A bool tensor: the next micro-batch opens a cycle (the one its
+        leader, if it follows one, keeps)."""
+        return tf.equal(self.clock.state.micro_step, 0)
+
+    def cycle_length(self) -> tf.Tensor:
+        """Micro-batches in the current cycle, a float32 tensor (read when
+        the step runs, so a scheduled change is seen)."""
+        return tf.cast(self.clock.state.accum_steps_variable, tf.float32)
+
+    def plain(self) -> bool:
+        """Whether every cycle is one micro-batch with nothing to do at its
+        end (``accum_steps`` 1 now and next, nothing pending, no AGC and no
+        ``skip_update_fn``): a host may then train as if it did not
+        accumulate. Eager; a host asks when it traces its step and traces
+        again when :meth:`set_accum_steps` says so."""
+        if self.use_agc or self.skip_update_fn is not None:
+            return False
+        if not self.built:
+            return self._initial_accum_steps == 1
+        steps = (
+            arithmetic.now(self.state.accum_steps_variable),
+            arithmetic.now(self.state.next_accum_steps),
+        )
+        return steps == (1, 1) and self.pending == 0
+
+    @property
+    def initial_accum_steps(self) -> int:
+        """The cycle length the accumulator was configured with."""
+        return self._initial_accum_steps
+
+    @property
+    def accum_steps(self) -> int:
+        """Micro-batches per update (the latest value asked for; eager)."""
+        if not self.built:
+            return self._initial_accum_steps
+        return arithmetic.now(self.state.next_accum_steps)
+
+    def set_accum_steps(self, accum_steps: int) -> bool:
+        """Changes ``accum_steps`` from the next cycle on (now, between cycles).
+
+        Call eagerly, e.g. from a callback; partial sums are never mixed
+        across two cycle lengths. Returns True when a step traced as
+        :meth:`plain` must be traced again (it no longer is).
+        """
+        accum_steps = check_accum_steps(accum_steps)
+        was_plain = self.plain()
+        if not self.built:
+            self._initial_accum_steps = accum_steps
+        else:
+            self.state.next_accum_steps.assign(accum_steps)
+            if self.pending == 0:
+                self.state.accum_steps_variable.assign(accum_steps)
+        return was_plain and not self.plain()
+
+
+class Engine(Links, CycleSchedule, tf.Module):
     """Accumulation state and its add / decide / apply / reset rules.
 
-    A ``tf.Module``, so a host's ``tf.train.Checkpoint`` reaches the state
-    under stable names (``<host>/_accumulator/grad_sums/0``, ...). Its
-    variables are made by :meth:`_make_variable`, which a host overrides to
-    make its own kind (Keras variables, tracked by a layer or an optimizer).
+    Its persistent state is one record, :attr:`state` (an
+    :class:`~.engine_state.EngineState`, None until :meth:`build`). A
+    ``tf.Module``, so a host's ``tf.train.Checkpoint`` reaches the record's
+    variables under stable names (``<host>/_accumulator/grad_sums/0``,
+    ...), which also read as the engine's attributes (``engine.micro_step``).
+    They are made by :meth:`_make_variable`, which a host overrides to make
+    its own kind (Keras variables, tracked by a layer or an optimizer).
 
     Args:
         settings: the host's checked :class:`~.settings.Settings`, of which
@@ -127,7 +206,8 @@ class Engine(Links, tf.Module):
         # Extra denominators' accumulators (see part()): tracked, so that a
         # checkpoint holds their sums with the rest of the state.
         self._parts: list[Engine] = []
-        self.built = False
+        # The persistent state, once built (see _hold).
+        self.state: EngineState | None = None
 
     # ------------------------------------------------------------------ state
     def _make_variable(
@@ -139,19 +219,13 @@ class Engine(Links, tf.Module):
         synchronization: str = "auto",
         aggregation: str = "none",
     ):
-        """Creates one state variable (never trainable). Hosts override this
-        to make their framework's variables; ``synchronization`` and
-        ``aggregation`` are ``tf.VariableSynchronization`` /
-        ``tf.VariableAggregation`` names in lower case."""
-        value = tf.zeros(shape, dtype) if initializer == "zeros" else initializer
-        return tf.Variable(
-            tf.cast(tf.broadcast_to(value, shape), dtype),
-            trainable=False,
-            name=name,
-            synchronization=getattr(
-                tf.VariableSynchronization, synchronization.upper()
-            ),
-            aggregation=getattr(tf.VariableAggregation, aggregation.upper()),
+        """Creates one state variable (never trainable), a ``tf.Variable``.
+        Hosts override this to make their framework's variables;
+        ``synchronization`` and ``aggregation`` are
+        ``tf.VariableSynchronization`` / ``tf.VariableAggregation`` names in
+        lower case."""
+        return engine_state.tf_variable(
+            name, shape, dtype, initializer, synchronization, aggregation
         )
 
     def _new_variable(self, name, shape, dtype, initializer="zeros", **kwargs):
@@ -167,47 +241,60 @@ class Engine(Links, tf.Module):
         are never carried across a change of the trainable set. Returns True
         if it (re)built anything. Eager, under the host's strategy scope.
         """
-        return engine_state.build(self, variables)
+        variables = list(variables)
+        if self.built and self.state.is_for(variables):
+            return False
+        binding = self._wiring.binding
+        names = binding.names if binding and binding.names else saved_state.paths
+        if not self.built:
+            steps = self._initial_accum_steps
+            state = EngineState.create(self._new_variable, variables, steps, names)
+        else:
+            self._restart_eagerly()
+            # The host asks for its parts again, for the new variables.
+            self._drop_parts()
+            state = self.state.with_sums_for(self._new_variable, variables, names)
+        self._hold(state)
+        self._wiring.present = {}
+        return True
+
+    def _hold(self, state: EngineState) -> None:
+        """Makes ``state`` the engine's record."""
+        self.state = state
+        # Checkpoints name the variables as they did when each was an
+        # attribute of the engine (<host>/_accumulator/micro_step,
+        # .../grad_sums/0): each is tracked as assigning that attribute
+        # tracked it, under that name and in that order, so files of earlier
+        # releases load, also into a model restored before it was built.
+        for name, value in state.checkpoint_children().items():
+            tf.__internal__.tracking.sticky_attribute_assignment(
+                trackable=self, name=name, value=value
+            )
+
+    def __getattr__(self, name: str):
+        # The record's variables also read as the engine's attributes
+        # (engine.micro_step, engine.grad_sums), the names checkpoints know
+        # them by, as they did before there was a record.
+        state = self.__dict__.get("state")
+        if state is not None and name in engine_state.VARIABLE_FIELDS:
+            return getattr(state, name)
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {name!r}"
+        )
+
+    @property
+    def built(self) -> bool:
+        """Whether the state exists (:meth:`build`)."""
+        return self.state is not None
 
     def state_items(self) -> list[tuple[str, tf.Variable]]:
         """``(key, variable)`` for every state variable: what a file holds,
         each gradient sum under its variable's path."""
-        return engine_state.items(self)
+        return engine_state.items(self.state, self._parts) if self.built else []
 
     @property
     def variables(self) -> list:
         return [variable for _, variable in self.state_items()]
-
-    @property
-    def pending(self) -> int:
-        """Micro-batches the current cycle holds (eager)."""
-        return arithmetic.now(self.micro_step) if self.built else 0
-
-    def opens_cycle(self) -> tf.Tensor:
-        """A bool tensor: the next micro-batch opens a cycle (the one its
-        leader, if it follows one, keeps)."""
-        return tf.equal(self.clock.micro_step, 0)
-
-    def cycle_length(self) -> tf.Tensor:
-        """Micro-batches in the current cycle, a float32 tensor (read when
-        the step runs, so a scheduled change is seen)."""
-        return tf.cast(self.clock.accum_steps_variable, tf.float32)
-
-    def plain(self) -> bool:
-        """Whether every cycle is one micro-batch with nothing to do at its
-        end (``accum_steps`` 1 now and next, nothing pending, no AGC and no
-        ``skip_update_fn``): a host may then train as if it did not
-        accumulate. Eager; a host asks when it traces its step and traces
-        again when :meth:`set_accum_steps` says so."""
-        if self.use_agc or self.skip_update_fn is not None:
-            return False
-        if not self.built:
-            return self._initial_accum_steps == 1
-        steps = (
-            arithmetic.now(self.accum_steps_variable),
-            arithmetic.now(self.next_accum_steps),
-        )
-        return steps == (1, 1) and self.pending == 0
 
     def logs(self) -> dict[str, tf.Tensor]:
         """Per-step log entries that tell updates from micro-steps."""
@@ -215,9 +302,9 @@ class Engine(Links, tf.Module):
             # 1.0 on the steps that applied an update (or skipped a cycle).
             "update": tf.cast(self.opens_cycle(), tf.float32),
             # Global norm of the last applied mean gradient, before clipping.
-            "grad_norm": tf.convert_to_tensor(self.last_grad_norm),
+            "grad_norm": tf.convert_to_tensor(self.state.last_grad_norm),
             # Samples (over all replicas) in the last applied cycle.
-            "effective_batch": tf.convert_to_tensor(self.last_batch),
+            "effective_batch": tf.convert_to_tensor(self.state.last_batch),
         }
 
     def load_state(self, store) -> None:
@@ -230,36 +317,26 @@ class Engine(Links, tf.Module):
         enabled, a quantized model) still loads: its pending micro-batches
         are dropped, with a warning, and the cycle settings are kept.
         """
-        engine_state.load(self, store)
-
-    @property
-    def initial_accum_steps(self) -> int:
-        """The cycle length the accumulator was configured with."""
-        return self._initial_accum_steps
-
-    @property
-    def accum_steps(self) -> int:
-        """Micro-batches per update (the latest value asked for; eager)."""
+        if not list(store.keys()):
+            return
+        binding = self._wiring.binding
+        if not self.built and binding is not None:
+            with binding.strategy().scope():
+                self.build(binding.variables())
         if not self.built:
-            return self._initial_accum_steps
-        return arithmetic.now(self.next_accum_steps)
+            raise ValueError(
+                "Build the accumulator (`build(variables)`) before loading "
+                "its state: the file's sums are matched to those variables."
+            )
+        parts_made = len(self._parts)
+        if not engine_state.load(self.state, store, binding, parts_made, self.part):
+            self._restart_eagerly()
 
-    def set_accum_steps(self, accum_steps: int) -> bool:
-        """Changes ``accum_steps`` from the next cycle on (now, between cycles).
-
-        Call eagerly, e.g. from a callback; partial sums are never mixed
-        across two cycle lengths. Returns True when a step traced as
-        :meth:`plain` must be traced again (it no longer is).
-        """
-        accum_steps = check_accum_steps(accum_steps)
-        was_plain = self.plain()
-        if not self.built:
-            self._initial_accum_steps = accum_steps
-        else:
-            self.next_accum_steps.assign(accum_steps)
-            if self.pending == 0:
-                self.accum_steps_variable.assign(accum_steps)
-        return was_plain and not self.plain()
+    def _restart_eagerly(self) -> None:
+        """An empty cycle, at a cycle boundary, here and in every part."""
+        engine_state.restart_eagerly(self.state)
+        for part in self._parts:
+            part._restart_eagerly()
 
     # ------------------------------------------------------------ links
     # Binding, parts and followers are Links' (see links.py); a part is an
@@ -297,68 +374,23 @@ class Engine(Links, tf.Module):
         were present.
         """
         self._note_overflow(overflowed)
-        buffers = self._buffers_for(variables)
-        if weight is not None:
-            weight = tf.cast(weight, tf.float32)
-
-        maxima = [arithmetic.overwritten(v) for v in variables]
-
-        def add_all(first):
-            for grad, buffer, maximum in zip(grads, buffers, maxima):
-                if grad is not None:
-                    arithmetic.add_into(buffer, grad, weight, first, maximum)
-            if first:
-                # A variable without a gradient now may get one later in the
-                # cycle: its sum must start from zero, not from leftovers.
-                added = {id(b) for b, g in zip(buffers, grads) if g is not None}
-                for buffer in self.grad_sums:
-                    if id(buffer) not in added:
-                        arithmetic.raw(buffer).assign(
-                            tf.zeros(buffer.shape, buffer.dtype)
-                        )
-
-        if empty is False:
-            add_all(False)
-        else:
-            if empty is None:
-                empty = arithmetic.raw(self.empty)
-            tf.cond(empty, lambda: add_all(True), lambda: add_all(False))
-            arithmetic.raw(self.empty).assign(False)
-        if count is None:
-            count = 1.0 if weight is None else weight
-        arithmetic.raw(self.weight_sum).assign_add(tf.cast(count, tf.float32))
-        if samples is not None:
-            arithmetic.raw(self.sample_sum).assign_add(tf.cast(samples, tf.float32))
-        return [g is not None for g in grads]
+        return engine_state.add(
+            self.state, grads, variables, weight, count, samples, empty
+        )
 
     def _note_overflow(self, overflowed) -> None:
         if overflowed is not None:
             # Structural, like `present`: the host's on_apply takes the flag.
             self._wiring.overflows = True
-            arithmetic.raw(self.overflows).assign_add(tf.cast(overflowed, tf.float32))
+            overflows = arithmetic.raw(self.state.overflows)
+            overflows.assign_add(tf.cast(overflowed, tf.float32))
 
     def open_sums(self, variables: Sequence) -> None:
         """Readies the sums for several :meth:`add` calls in one micro-step
         (the slices of an in-step loop): an empty cycle's sums are cleared
         here, once, so that each add after it (``empty=False``) adds
         without a cond of its own. Replica context; no communication."""
-        maxima = {
-            id(b)
-            for b, v in zip(self._buffers_for(variables), variables)
-            if arithmetic.overwritten(v)
-        }
-
-        def clear():
-            for buffer in self.grad_sums:
-                # A cycle maximum starts below every value it will see.
-                dtype = tf.as_dtype(buffer.dtype)
-                fill = dtype.min if id(buffer) in maxima else 0
-                value = tf.fill(buffer.shape, tf.constant(fill, dtype))
-                arithmetic.raw(buffer).assign(value)
-
-        empty = arithmetic.raw(self.empty)
-        tf.cond(empty, clear, lambda: None)
-        empty.assign(False)
+        engine_state.open_sums(self.state, variables)
 
     def step(
         self,
@@ -432,9 +464,9 @@ class Engine(Links, tf.Module):
         complete. ``after``: tensors computed from the micro-batch's data,
         which every state change of the micro-step waits for. Replica
         context; see :meth:`step` for the other arguments."""
-        group = Group(
-            self, list(variables), self._buffers_for(variables), list(present), apply_fn
-        )
+        variables = list(variables)
+        buffers = engine_state.sums_for(self.state, variables)
+        group = Group(self, variables, buffers, list(present), apply_fn)
         self._wiring.present = {id(b): p for b, p in zip(group.buffers, group.present)}
         if self._wiring.leader is not None:
             # Consumed by the leader's step later in the same traced function.
@@ -450,25 +482,24 @@ class Engine(Links, tf.Module):
         # the (identical) mirrored objects are wanted, not PerReplica bundles.
         end = functools.partial(
             cycle_end.decide,
-            self,
-            group=group,
+            self.state,
+            # Taken when the merge runs (once for all replicas), after every
+            # follower recorded its group.
+            take_groups=lambda: [group, *self._take_follower_groups()],
             last=last,
-            on_apply=on_apply or cycle_end.nothing,
-            on_skip=on_skip or cycle_end.nothing,
+            hooks=self._hooks(on_apply, on_skip),
         )
         return tf.distribute.get_replica_context().merge_call(end, args=(token,))
 
-    def _buffers_for(self, variables):
-        keys = [arithmetic.var_key(v) for v in variables]
-        index = {key: i for i, key in enumerate(self._wiring.keys)}
-        if any(key not in index for key in keys):
-            raise ValueError(
-                "The gradient accumulator was built for other trainable "
-                "variables than the ones training now. Call `compile()` "
-                "again after changing which layers are trainable (Keras "
-                "needs that too); the accumulation state is rebuilt then."
-            )
-        return [self.grad_sums[index[key]] for key in keys]
+    def _hooks(self, on_apply, on_skip) -> cycle_end.Hooks:
+        """What this engine's cycle end calls: the host's hooks and its own
+        check (see :meth:`step`)."""
+        return cycle_end.Hooks(
+            on_apply=on_apply or cycle_end.nothing,
+            on_skip=on_skip or cycle_end.nothing,
+            skip_update_fn=self.skip_update_fn,
+            overflow_flag=self._wiring.overflows,
+        )
 
     # ------------------------------------------------------- partial cycles
     def flush(self, strategy: tf.distribute.Strategy | None = None) -> None:
@@ -477,8 +508,32 @@ class Engine(Links, tf.Module):
 
         Eager; does nothing if the cycle is empty.
         """
-        cycle_end.end_eagerly(self, "flush", strategy)
+        self._end_eagerly("flush", strategy)
 
     def drop(self, strategy: tf.distribute.Strategy | None = None) -> None:
         """Discards the current, incomplete cycle and starts a new one."""
-        cycle_end.end_eagerly(self, "drop", strategy)
+        self._end_eagerly("drop", strategy)
+
+    def _end_eagerly(self, how: str, strategy) -> None:
+        """Ends the current cycle outside a train step: ``how`` is "flush"
+        or "drop" (see :meth:`flush`); one compiled function per way and
+        strategy."""
+        if self._wiring.leader is not None:
+            raise ValueError(
+                "This accumulator follows another one; flush or drop the "
+                "cycle of the model it follows."
+            )
+        group = self._group_now()
+        if group is None or self.pending == 0:
+            return
+        binding = self._wiring.binding
+        strategy = strategy or binding.strategy()
+        key = (how, id(strategy))
+        if key not in self._wiring.flush_fns:
+            followers = [f._group_now() for f in self._wiring.followers]
+            groups = [group, *(g for g in followers if g is not None)]
+            hooks = self._hooks(*binding.hooks())
+            end = cycle_end.eager_end(self.state, how, strategy, groups, hooks)
+            self._wiring.flush_fns[key] = end
+        with strategy.scope():
+            self._wiring.flush_fns[key]()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from gradient_accumulator.core import arithmetic
+from gradient_accumulator.core import arithmetic, engine_state
 
 ApplyFn = Callable[[list], None]
 
@@ -191,6 +191,36 @@ class Links:
         return self._wiring.leader
 
     @property
+    def joins(self) -> bool:
+        """Whether this accumulator is a :meth:`part` of its leader: its mean
+        joins the leader's gradient instead of being applied."""
+        return self._wiring.joins
+
+    @property
     def clock(self) -> Links:
         """The accumulator whose counter decides when cycles end."""
         return self if self._wiring.leader is None else self._wiring.leader
+
+    def _take_follower_groups(self) -> list[Group]:
+        """The groups this accumulator's followers recorded in this step,
+        taken (each is consumed by one update)."""
+        groups = []
+        for follower in self._wiring.followers:
+            if follower._wiring.pending is not None:
+                groups.append(follower._wiring.pending)
+                follower._wiring.pending = None
+        return groups
+
+    def _group_now(self) -> Group | None:
+        """This accumulator's part of a cycle ended outside the train step,
+        from its host's binding as it is now (variables, optimizer); None
+        before it is built or bound."""
+        binding = self._wiring.binding
+        if not self.built or binding is None:
+            return None
+        variables = list(binding.variables())
+        buffers = engine_state.sums_for(self.state, variables)
+        # Which variables had gradients is structural: as in the last traced
+        # step, or all of them before any step was traced (a loaded model).
+        present = [self._wiring.present.get(id(b), True) for b in buffers]
+        return Group(self, variables, buffers, present, binding.apply_fn())

@@ -35,11 +35,12 @@ def pack(groups: list[Group]) -> tf.Tensor:
                 # the replicas' cycle maxima.
                 value = value / replicas
             parts.append(tf.reshape(value, [-1]))
-        accumulator = group.accumulator
-        parts.append(tf.reshape(arithmetic.raw(accumulator.weight_sum), [1]))
-        parts.append(tf.reshape(arithmetic.raw(accumulator.sample_sum), [1]))
+        state = group.accumulator.state
+        parts.append(tf.reshape(arithmetic.raw(state.weight_sum), [1]))
+        parts.append(tf.reshape(arithmetic.raw(state.sample_sum), [1]))
     # The leader's overflow count rides last; unpack does not read it.
-    parts.append(tf.reshape(arithmetic.raw(groups[0].accumulator.overflows), [1]))
+    overflows = groups[0].accumulator.state.overflows
+    parts.append(tf.reshape(arithmetic.raw(overflows), [1]))
     return tf.concat(parts, axis=0)
 
 
@@ -64,10 +65,10 @@ def read(group: Group, last) -> tuple[list, tf.Tensor, tf.Tensor]:
     """A group's sums, weight sum and sample count, plus the not yet added
     micro-batch ``last = (grads, weight, count, samples, empty)`` if given
     (``empty``: the value the accumulator's ``empty`` flag had)."""
-    accumulator = group.accumulator
+    state = group.accumulator.state
     live = [b if p else None for b, p in zip(group.buffers, group.present)]
-    weight_sum = tf.convert_to_tensor(arithmetic.raw(accumulator.weight_sum))
-    sample_sum = tf.convert_to_tensor(arithmetic.raw(accumulator.sample_sum))
+    weight_sum = tf.convert_to_tensor(arithmetic.raw(state.weight_sum))
+    sample_sum = tf.convert_to_tensor(arithmetic.raw(state.sample_sum))
     if last is None:
         sums = [
             None if b is None else tf.convert_to_tensor(arithmetic.raw(b)) for b in live
@@ -115,7 +116,7 @@ def join_parts(groups: list[Group], sums: list) -> tuple[list, list]:
     """``groups`` and their ``(sums, weight_sum, samples)`` with every part
     (see :meth:`Engine.part`) folded into the leader's: the leader's entry
     becomes the sum of the means, with weight sum 1. Without parts, as given."""
-    joined = [i for i, g in enumerate(groups) if g.accumulator._wiring.joins]
+    joined = [i for i, g in enumerate(groups) if g.accumulator.joins]
     if not joined:
         return groups, sums
     leader, (grads, weight_sum, samples) = groups[0], sums[0]
@@ -144,15 +145,15 @@ def join_parts(groups: list[Group], sums: list) -> tuple[list, list]:
 def reset(groups: list[Group]) -> None:
     # The buffers keep their contents; `empty` makes the next add overwrite.
     for group in groups:
-        accumulator = group.accumulator
-        arithmetic.raw(accumulator.weight_sum).assign(0.0)
-        arithmetic.raw(accumulator.sample_sum).assign(0.0)
-        arithmetic.raw(accumulator.overflows).assign(0.0)
-        arithmetic.raw(accumulator.empty).assign(True)
+        state = group.accumulator.state
+        arithmetic.raw(state.weight_sum).assign(0.0)
+        arithmetic.raw(state.sample_sum).assign(0.0)
+        arithmetic.raw(state.overflows).assign(0.0)
+        arithmetic.raw(state.empty).assign(True)
 
 
 def zero(groups: list[Group]) -> None:
     # A dropped cycle's sums may hold NaN or Inf: leave nothing of it behind.
     for group in groups:
-        for buffer in group.accumulator.grad_sums:
+        for buffer in group.accumulator.state.grad_sums:
             arithmetic.raw(buffer).assign(tf.zeros(buffer.shape, buffer.dtype))
