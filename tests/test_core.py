@@ -2,7 +2,11 @@
 is read (not imported) and may import only the standard library,
 TensorFlow, NumPy and other modules of the folder. A Keras import there
 would tie the engine to one Keras; an import of a host would make the
-hosts' and the core's change one change."""
+hosts' and the core's change one change.
+
+And the modules the engine hands its state record to read no private
+attribute of another object (``engine._wiring``): they take the record and
+explicit arguments, so what they change is what they are given."""
 
 from __future__ import annotations
 
@@ -84,3 +88,43 @@ def test_the_check_sees_a_keras_import(tmp_path):
         "from gradient_accumulator import model\n"
     )
     assert {"keras", "tf_keras", "gradient_accumulator.model"} <= _imports(source)
+
+
+# The engine's own modules (its class, and Links, its mixin) and the one
+# that holds TensorFlow's private names; every other core module takes the
+# engine's state record and explicit arguments instead (issue 42).
+OWN_PRIVATE = {"engine.py", "links.py", "_tf_compat.py"}
+
+
+def _private_reads(path: Path) -> list[str]:
+    """Every ``x._name`` in ``path`` (read or set) whose ``x`` is not
+    ``self`` or ``cls``, as ``line: x._name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        owner = ast.unparse(node.value)
+        if not node.attr.startswith("__") and owner not in ("self", "cls"):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if p.name not in OWN_PRIVATE], ids=lambda p: p.name
+)
+def test_core_module_reads_no_private_attribute_of_another_object(path):
+    assert not _private_reads(path), f"{path.name}: {_private_reads(path)}"
+
+
+def test_the_check_sees_a_private_read(tmp_path):
+    """Non-vacuity: reads and writes through any object but ``self``."""
+    source = tmp_path / "m.py"
+    source.write_text(
+        "def f(engine, group):\n"
+        "    engine._wiring.pending = None\n"
+        "    return group.accumulator._parts, self._ok, x.__class__\n"
+    )
+    assert _private_reads(source) == [
+        "2: engine._wiring",
+        "3: group.accumulator._parts",
+    ]

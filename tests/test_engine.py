@@ -1,4 +1,5 @@
-"""Unit tests of the accumulation engine (:class:`Accumulator`) alone.
+"""Unit tests of the accumulation engine (:class:`Accumulator`) alone, and
+of its state record (:class:`EngineState`) and the functions that take it.
 
 No model, no training loop: the engine is driven with hand-made gradients
 (``1, 2, 3, 4`` and the like, exact in float32) and an ``apply_fn`` that
@@ -11,6 +12,7 @@ host's train step runs the engine.
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 
 import keras
@@ -19,7 +21,9 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator._keras_compat import track_variable
+from gradient_accumulator.core import engine_state, saved_state
 from gradient_accumulator.core.arithmetic import squared_norm
+from gradient_accumulator.core.engine_state import EngineState
 from gradient_accumulator.core.links import Binding
 from gradient_accumulator.tracked_engine import Accumulator
 
@@ -109,17 +113,17 @@ def _driver(acc: Accumulator, variables, recorder: Recorder, mode: str):
 
 def _state(acc: Accumulator) -> dict:
     return {
-        "micro_step": int(acc.micro_step.numpy()),
-        "accum_steps": int(acc.accum_steps_variable.numpy()),
-        "next_accum_steps": int(acc.next_accum_steps.numpy()),
-        "weight_sum": float(acc.weight_sum.numpy()),
-        "sample_sum": float(acc.sample_sum.numpy()),
-        "empty": bool(acc.empty.numpy()),
+        "micro_step": int(acc.state.micro_step.numpy()),
+        "accum_steps": int(acc.state.accum_steps_variable.numpy()),
+        "next_accum_steps": int(acc.state.next_accum_steps.numpy()),
+        "weight_sum": float(acc.state.weight_sum.numpy()),
+        "sample_sum": float(acc.state.sample_sum.numpy()),
+        "empty": bool(acc.state.empty.numpy()),
     }
 
 
 def _buffers_are_zero(acc: Accumulator) -> bool:
-    return all(not np.any(b.numpy()) for b in acc.grad_sums)
+    return all(not np.any(b.numpy()) for b in acc.state.grad_sums)
 
 
 # ------------------------------------------------------------ the mean of K
@@ -139,8 +143,8 @@ def test_mean_of_four_micro_batches_is_applied_once(mode):
     ended, micro_steps, weight_sums, calls = [], [], [], []
     for k in (1.0, 2.0, 3.0, 4.0):
         ended.append(feed([k * direction, k * matrix], samples=8))
-        micro_steps.append(int(acc.micro_step.numpy()))
-        weight_sums.append(float(acc.weight_sum.numpy()))
+        micro_steps.append(int(acc.state.micro_step.numpy()))
+        weight_sums.append(float(acc.state.weight_sum.numpy()))
         calls.append(rec.counts()[0])
 
     assert ended == [False, False, False, True]
@@ -162,9 +166,9 @@ def test_mean_of_four_micro_batches_is_applied_once(mode):
         np.sum((2.5 * direction) ** 2) + np.sum((2.5 * matrix) ** 2)
     )
     np.testing.assert_allclose(
-        float(acc.last_grad_norm.numpy()), expected_norm, rtol=1e-6
+        float(acc.state.last_grad_norm.numpy()), expected_norm, rtol=1e-6
     )
-    assert float(acc.last_batch.numpy()) == 32.0
+    assert float(acc.state.last_batch.numpy()) == 32.0
     if mode == "function":
         assert feed.run.experimental_get_tracing_count() == 1
 
@@ -181,11 +185,11 @@ def test_second_cycle_starts_from_nothing(mode):
     ones = np.ones(3, "float32")
     for k in (1.0, 2.0, 3.0, 4.0):
         feed([k * ones])
-    assert bool(acc.empty.numpy())
+    assert bool(acc.state.empty.numpy())
     for k in (5.0, 6.0, 7.0):
         feed([k * ones])
-        assert not bool(acc.empty.numpy())
-    np.testing.assert_array_equal(acc.grad_sums[0].numpy(), 18.0 * ones)
+        assert not bool(acc.state.empty.numpy())
+    np.testing.assert_array_equal(acc.state.grad_sums[0].numpy(), 18.0 * ones)
     assert feed([8.0 * ones])
     np.testing.assert_array_equal(rec.got(), 6.5 * ones)
     assert rec.counts() == (2, 2, 0)
@@ -231,13 +235,13 @@ def test_add_then_end_micro_step_path(mode):
         ended.append(bool(run(tf.constant([k, -k]))))
         if k < 4:
             np.testing.assert_array_equal(
-                acc.grad_sums[0].numpy(), [k * (k + 1) / 2, -k * (k + 1) / 2]
+                acc.state.grad_sums[0].numpy(), [k * (k + 1) / 2, -k * (k + 1) / 2]
             )
     assert ended == [False, False, False, True]
     np.testing.assert_array_equal(rec.got(), [2.5, -2.5])
     assert rec.counts() == (1, 1, 0)
-    assert int(acc.micro_step.numpy()) == 0
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert int(acc.state.micro_step.numpy()) == 0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -251,7 +255,7 @@ def test_open_sums_then_adds_without_the_empty_check(mode):
     acc = Accumulator(2)
     acc.build([v, m])
     rec = Recorder([v, m])
-    for buffer in acc.grad_sums:  # leftovers of an earlier cycle
+    for buffer in acc.state.grad_sums:  # leftovers of an earlier cycle
         buffer.assign([100.0, 100.0])
 
     def step(slices):
@@ -264,9 +268,9 @@ def test_open_sums_then_adds_without_the_empty_check(mode):
     run = step if mode == "eager" else tf.function(step)
     first = [(tf.constant([1.0, -1.0]), tf.constant([-5.0, -7.0]))] * 2
     assert not bool(run(first))
-    np.testing.assert_array_equal(acc.grad_sums[0].numpy(), [2.0, -2.0])
-    np.testing.assert_array_equal(acc.grad_sums[1].numpy(), [-5.0, -7.0])
-    assert float(acc.weight_sum.numpy()) == 2.0
+    np.testing.assert_array_equal(acc.state.grad_sums[0].numpy(), [2.0, -2.0])
+    np.testing.assert_array_equal(acc.state.grad_sums[1].numpy(), [-5.0, -7.0])
+    assert float(acc.state.weight_sum.numpy()) == 2.0
     second = [
         (tf.constant([3.0, -3.0]), tf.constant([-6.0, -2.0])),
         (tf.constant([4.0, -4.0]), tf.constant([-9.0, -9.0])),
@@ -305,8 +309,8 @@ def test_under_a_one_replica_mirrored_strategy():
     assert rec.counts() == (1, 0, 0)
     np.testing.assert_array_equal(rec.got(0), [2.5, -2.5])
     np.testing.assert_array_equal(rec.got(1), [[2.5] * 2, [0] * 2, [0] * 2, [2.5] * 2])
-    assert int(acc.micro_step.numpy()) == 0
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert int(acc.state.micro_step.numpy()) == 0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
     assert run.experimental_get_tracing_count() == 1
 
 
@@ -320,11 +324,11 @@ def test_weighted_micro_batches(mode):
     rec = Recorder([v])
     feed = _driver(acc, [v], rec, mode)
     assert not feed([np.array([2.0, 4.0], "float32")], weight=1.0)
-    assert float(acc.weight_sum.numpy()) == 1.0
+    assert float(acc.state.weight_sum.numpy()) == 1.0
     assert feed([np.array([6.0, -4.0], "float32")], weight=3.0)
     # (1 * [2, 4] + 3 * [6, -4]) / 4
     np.testing.assert_array_equal(rec.got(), [5.0, -2.0])
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -338,7 +342,7 @@ def test_count_is_the_denominator(mode):
     feed([np.array([2.0], "float32")], weight=1.0, count=1.0, samples=3)
     feed([np.array([6.0], "float32")], weight=3.0, count=1.0, samples=5)
     np.testing.assert_array_equal(rec.got(), [10.0])
-    assert float(acc.last_batch.numpy()) == 8.0
+    assert float(acc.state.last_batch.numpy()) == 8.0
 
 
 # --------------------------------------------------------------- skipping
@@ -362,9 +366,9 @@ def test_non_finite_micro_batch_skips_the_cycle(mode, bad_at, bad):
         feed([first, np.array([1.0], "float32")])
     assert rec.counts() == (0, 0, 1)
     assert _buffers_are_zero(acc)
-    assert int(acc.micro_step.numpy()) == 0
-    assert float(acc.weight_sum.numpy()) == 0.0
-    assert bool(acc.empty.numpy())
+    assert int(acc.state.micro_step.numpy()) == 0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
+    assert bool(acc.state.empty.numpy())
     for k in (3.0, 5.0, 7.0):
         feed([np.array([k, k], "float32"), np.array([k], "float32")])
     assert rec.counts() == (1, 1, 1)
@@ -400,7 +404,7 @@ def test_skip_update_fn(mode):
     assert rec.counts() == (1, 1, 1)
     np.testing.assert_array_equal(rec.got(), [2.0])
     assert _buffers_are_zero(acc)
-    assert int(acc.micro_step.numpy()) == 0
+    assert int(acc.state.micro_step.numpy()) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -429,11 +433,11 @@ def test_set_accum_steps_mid_cycle_waits_for_the_boundary(mode):
     assert not feed([np.array([1.0], "float32")])
     acc.set_accum_steps(3)
     assert acc.accum_steps == 3
-    assert int(acc.accum_steps_variable.numpy()) == 2
-    assert int(acc.next_accum_steps.numpy()) == 3
+    assert int(acc.state.accum_steps_variable.numpy()) == 2
+    assert int(acc.state.next_accum_steps.numpy()) == 3
     assert feed([np.array([3.0], "float32")])
     np.testing.assert_array_equal(rec.got(), [2.0])
-    assert int(acc.accum_steps_variable.numpy()) == 3
+    assert int(acc.state.accum_steps_variable.numpy()) == 3
     ended = [feed([np.array([k], "float32")]) for k in (4.0, 5.0, 9.0)]
     assert ended == [False, False, True]
     np.testing.assert_array_equal(rec.got(), [6.0])
@@ -456,10 +460,10 @@ def test_set_accum_steps_between_cycles_is_immediate():
     acc.set_accum_steps(3)  # before build: the configured length
     assert acc.accum_steps == 3
     acc.build([v])
-    assert int(acc.accum_steps_variable.numpy()) == 3
+    assert int(acc.state.accum_steps_variable.numpy()) == 3
     acc.set_accum_steps(2)  # built, nothing pending: now
-    assert int(acc.accum_steps_variable.numpy()) == 2
-    assert int(acc.next_accum_steps.numpy()) == 2
+    assert int(acc.state.accum_steps_variable.numpy()) == 2
+    assert int(acc.state.next_accum_steps.numpy()) == 2
     assert acc.initial_accum_steps == 3  # what it was built with
     rec = Recorder([v])
     feed = _driver(acc, [v], rec, "eager")
@@ -476,13 +480,13 @@ def test_cycle_of_one(mode):
     feed = _driver(acc, [v, w], rec, mode)
     for k in (1.0, 2.0, -7.0):
         assert feed([np.array([k, 2 * k], "float32"), np.array([k], "float32")])
-        assert int(acc.micro_step.numpy()) == 0
+        assert int(acc.state.micro_step.numpy()) == 0
         np.testing.assert_array_equal(rec.got(0), [k, 2 * k])
         np.testing.assert_array_equal(rec.got(1), [k])
     assert feed([np.array([4.0, 4.0], "float32"), None], weight=4.0)
     np.testing.assert_array_equal(rec.got(0), [4.0, 4.0])
     assert rec.counts() == (4, 4, 0)
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
 
 
 # ------------------------------------------------------ partial cycles
@@ -512,7 +516,7 @@ def test_flush_applies_the_mean_of_a_partial_cycle(mode):
     np.testing.assert_array_equal(rec.got(0), [3.25, 2.0])  # (1*g1 + 3*g2) / 4
     np.testing.assert_array_equal(rec.got(1), [7.0])
     assert acc.pending == 0
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
     acc.flush()  # nothing pending: nothing happens
     assert rec.counts() == (1, 1, 0)
     # A full cycle afterwards is exact: nothing of the flushed one is left.
@@ -549,7 +553,7 @@ def test_drop_discards_a_partial_cycle(mode):
     acc.drop()
     assert rec.counts() == (0, 0, 0)
     assert acc.pending == 0
-    assert float(acc.weight_sum.numpy()) == 0.0
+    assert float(acc.state.weight_sum.numpy()) == 0.0
     assert _buffers_are_zero(acc)
     for k in (1.0, 2.0, 6.0):
         feed([np.array([k, -k], "float32")])
@@ -722,7 +726,7 @@ def test_save_and_load_own_variables_round_trip():
     assert _state(fresh) == _state(acc)
     assert _state(fresh)["micro_step"] == 2
     assert _state(fresh)["next_accum_steps"] == 5
-    for a, b in zip(fresh.grad_sums, acc.grad_sums):
+    for a, b in zip(fresh.state.grad_sums, acc.state.grad_sums):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     rec2 = Recorder([v, w])
     feed2 = _driver(fresh, [v, w], rec2, "eager")
@@ -732,17 +736,17 @@ def test_save_and_load_own_variables_round_trip():
     )
     np.testing.assert_array_equal(rec2.got(0), [2.5, 5.0])
     np.testing.assert_array_equal(rec2.got(1), [2.5])
-    assert float(fresh.last_batch.numpy()) == 8.0
-    assert int(fresh.accum_steps_variable.numpy()) == 5
+    assert float(fresh.state.last_batch.numpy()) == 8.0
+    assert int(fresh.state.accum_steps_variable.numpy()) == 5
 
 
 def test_load_of_an_empty_store_leaves_the_state():
     (v,) = _variables((1,))
     acc = Accumulator(4)
     acc.build([v])
-    acc.micro_step.assign(3)
+    acc.state.micro_step.assign(3)
     acc.load_own_variables(_Store())
-    assert int(acc.micro_step.numpy()) == 3
+    assert int(acc.state.micro_step.numpy()) == 3
 
 
 def _mid_cycle_store(variables, accum_steps=4, next_accum_steps=None):
@@ -768,8 +772,8 @@ def test_sums_are_matched_to_variables_by_path_not_position():
     acc.build([w, v])
     acc.load_own_variables(store)
     assert _state(acc)["micro_step"] == 2
-    np.testing.assert_array_equal(acc.grad_sums[0].numpy(), [2.0])
-    np.testing.assert_array_equal(acc.grad_sums[1].numpy(), [3.0, 6.0])
+    np.testing.assert_array_equal(acc.state.grad_sums[0].numpy(), [2.0])
+    np.testing.assert_array_equal(acc.state.grad_sums[1].numpy(), [3.0, 6.0])
 
 
 def test_a_store_for_other_variables_loads_and_drops_its_pending_cycle():
@@ -779,7 +783,7 @@ def test_a_store_for_other_variables_loads_and_drops_its_pending_cycle():
     store = _mid_cycle_store([v, w], next_accum_steps=6)
     other = Accumulator(4)
     other.build([v])
-    other.micro_step.assign(1)
+    other.state.micro_step.assign(1)
     with pytest.warns(UserWarning, match="2 micro-batch.*dropped"):
         other.load_own_variables(store)
     state = _state(other)
@@ -821,7 +825,7 @@ def test_a_store_written_before_sums_had_paths_loads_by_position():
     acc.build([v, w])
     acc.load_own_variables(store)
     assert _state(acc)["micro_step"] == 2
-    np.testing.assert_array_equal(acc.grad_sums[0].numpy(), [2.0, 2.0])
+    np.testing.assert_array_equal(acc.state.grad_sums[0].numpy(), [2.0, 2.0])
     with pytest.warns(UserWarning, match="dropped"):
         fewer = Accumulator(4)
         fewer.build([v])
@@ -852,3 +856,229 @@ def test_a_tracked_state_is_saved_by_its_host_not_by_the_engine():
     store = _Store()
     acc.save_own_variables(store)
     assert dict(store) == {}
+
+
+# ------------------------------------------------------- the state record
+SCALARS = [
+    "micro_step",
+    "accum_steps_variable",
+    "next_accum_steps",
+    "weight_sum",
+    "sample_sum",
+    "overflows",
+    "empty",
+    "last_grad_norm",
+    "last_batch",
+]
+
+
+class _Made:
+    """A ``new_variable`` for :class:`EngineState`: plain ``tf.Variable``
+    objects, their names recorded in the order they are made."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __call__(self, name, shape, dtype, initializer="zeros", **kwargs):
+        self.names.append(name)
+        return engine_state.tf_variable(name, shape, dtype, initializer, **kwargs)
+
+
+def _record(variables, accum_steps=3) -> EngineState:
+    return EngineState.create(_Made(), variables, accum_steps, saved_state.paths)
+
+
+def _values(state: EngineState) -> dict:
+    return {name: getattr(state, name).numpy().item() for name in SCALARS}
+
+
+def test_a_new_record_is_an_empty_cycle_of_accum_steps():
+    v, w = _variables((2,), (1,))
+    made = _Made()
+    state = EngineState.create(made, [v, w], 3, saved_state.paths)
+    assert made.names == [
+        *("micro_step", "accum_steps", "next_accum_steps", "weight_sum"),
+        *("sample_sum", "overflows", "empty", "last_grad_norm", "last_batch"),
+        *("v0_grad_sum", "v1_grad_sum"),
+    ]
+    assert _values(state) == {
+        **dict.fromkeys(SCALARS, 0),
+        "accum_steps_variable": 3,
+        "next_accum_steps": 3,
+        "empty": True,
+    }
+    assert [tuple(b.shape) for b in state.grad_sums] == [(2,), (1,)]
+    assert state.sum_keys == ("grad_sum:v0", "grad_sum:v1")
+    assert state.is_for([v, w]) and not state.is_for([w, v])
+    assert not state.is_for([v])
+
+
+def test_a_record_for_other_variables_keeps_the_scalars():
+    v, w = _variables((2,), (1,))
+    state = _record([v])
+    state.micro_step.assign(2)
+    made = _Made()
+    other = state.with_sums_for(made, [w, v], saved_state.paths)
+    assert made.names == ["v1_grad_sum", "v0_grad_sum"]
+    assert all(getattr(other, n) is getattr(state, n) for n in SCALARS)
+    assert int(other.micro_step.numpy()) == 2
+    assert other.sum_keys == ("grad_sum:v1", "grad_sum:v0")
+    assert [id(b) for b in engine_state.sums_for(other, [v])] == [
+        id(other.grad_sums[1])
+    ]
+    with pytest.raises(ValueError, match="other trainable variables"):
+        engine_state.sums_for(state, [w])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_add_weights_a_micro_batch_into_the_record(mode):
+    """The cycle's first add overwrites the leftovers (and zeroes the sum
+    of a variable without a gradient); the next adds to it."""
+    v, w = _variables((2,), (1,))
+    state = _record([v, w])
+    for buffer in state.grad_sums:
+        buffer.assign(tf.fill(buffer.shape, 9.0))
+
+    def add(grads, weight, count=None, samples=None):
+        engine_state.add(state, grads, [v, w], weight, count, samples)
+
+    add = add if mode == "eager" else tf.function(add)
+    add([tf.constant([1.0, 2.0]), None], tf.constant(2.0), samples=tf.constant(4.0))
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [2.0, 4.0])
+    np.testing.assert_array_equal(state.grad_sums[1].numpy(), [0.0])
+    add([tf.constant([3.0, 1.0]), tf.constant([5.0])], None, tf.constant(3.0))
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [5.0, 5.0])
+    np.testing.assert_array_equal(state.grad_sums[1].numpy(), [5.0])
+    assert _values(state) == {
+        **dict.fromkeys(SCALARS, 0),
+        "accum_steps_variable": 3,
+        "next_accum_steps": 3,
+        "weight_sum": 5.0,
+        "sample_sum": 4.0,
+        "empty": False,
+    }
+
+
+def test_open_sums_clears_the_leftovers_once():
+    (v,) = _variables((2,))
+    state = _record([v])
+    state.grad_sums[0].assign([9.0, 9.0])
+    engine_state.open_sums(state, [v])
+    assert not bool(state.empty.numpy())
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [0.0, 0.0])
+    engine_state.add(state, [tf.constant([1.0, 2.0])], [v], empty=False)
+    engine_state.add(state, [tf.constant([1.0, 2.0])], [v], empty=False)
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [2.0, 4.0])
+    assert float(state.weight_sum.numpy()) == 2.0
+
+
+def test_restart_eagerly_empties_the_cycle_at_the_next_length():
+    (v,) = _variables((1,))
+    state = _record([v])
+    for name, value in [("micro_step", 2), ("next_accum_steps", 5)]:
+        getattr(state, name).assign(value)
+    for name in ("weight_sum", "sample_sum", "overflows"):
+        getattr(state, name).assign(1.5)
+    state.empty.assign(False)
+    state.last_batch.assign(8.0)
+    state.grad_sums[0].assign([7.0])
+    engine_state.restart_eagerly(state)
+    assert _values(state) == {
+        **dict.fromkeys(SCALARS, 0),
+        "accum_steps_variable": 5,
+        "next_accum_steps": 5,
+        "empty": True,
+        "last_batch": 8.0,
+    }
+    # The next cycle's first micro-batch overwrites what the sums hold.
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [7.0])
+
+
+def test_items_list_the_record_then_each_part():
+    v, w = _variables((2,), (1,))
+    state, part = _record([v, w]), _record([w])
+    parts = [types.SimpleNamespace(state_items=lambda: engine_state.items(part, []))]
+    items = engine_state.items(state, parts)
+    assert [key for key, _ in items] == [
+        *(key for key, _ in saved_state.COUNTERS),
+        "grad_sum:v0",
+        "grad_sum:v1",
+        *(f"part1:{key}" for key, _ in saved_state.COUNTERS),
+        "part1:grad_sum:v1",
+    ]
+    assert items[0][1] is state.micro_step and items[-1][1] is part.grad_sums[0]
+
+
+def test_load_assigns_a_fitting_store_and_refuses_another():
+    v, w = _variables((2,), (1,))
+    store = _mid_cycle_store([v, w], next_accum_steps=6)
+    state = _record([v, w])
+    assert engine_state.load(state, store, None, 0, None)
+    assert (int(state.micro_step.numpy()), float(state.weight_sum.numpy())) == (2, 2)
+    assert int(state.next_accum_steps.numpy()) == 6
+    np.testing.assert_array_equal(state.grad_sums[0].numpy(), [2.0, 2.0])
+    other = _record([w])
+    with pytest.warns(UserWarning, match="2 micro-batch.*dropped"):
+        assert not engine_state.load(other, store, None, 0, None)
+    # The schedule is loaded; the caller restarts the cycle.
+    assert int(other.next_accum_steps.numpy()) == 6
+    assert int(other.micro_step.numpy()) == 0
+
+
+def test_the_records_variables_read_as_the_engines_attributes():
+    (v,) = _variables((1,))
+    acc = Accumulator(2)
+    assert acc.state is None and not acc.built
+    with pytest.raises(AttributeError):
+        acc.micro_step  # noqa: B018
+    acc.build([v])
+    assert all(getattr(acc, n) is getattr(acc.state, n) for n in SCALARS)
+    assert acc.grad_sums is acc.state.grad_sums
+    with pytest.raises(AttributeError):
+        acc.sum_keys  # noqa: B018  (only the variables)
+
+
+# --------------------------------------------------- checkpoint names
+def _checkpoint_keys(path: str) -> list[str]:
+    return [
+        name
+        for name, _ in tf.train.list_variables(path)
+        if name != "_CHECKPOINTABLE_OBJECT_GRAPH"
+    ]
+
+
+def test_a_checkpoint_names_the_state_as_before_the_record(tmp_path):
+    """``tf.train.Checkpoint`` keys of the state are those of files written
+    when each variable was an attribute of the engine, so those load; the
+    sums of a rebuilt state replace the old ones under the same names."""
+    v, w = _variables((2,), (1,))
+    acc = Accumulator(4)
+    acc.build([v, w])
+    path = tf.train.Checkpoint(acc=acc).write(str(tmp_path / "ckpt"))
+    names = [*SCALARS, "grad_sums/0", "grad_sums/1"]
+    suffix = "/.ATTRIBUTES/VARIABLE_VALUE"
+    assert _checkpoint_keys(path) == sorted(f"acc/{n}{suffix}" for n in names)
+    acc.build([w])
+    path = tf.train.Checkpoint(acc=acc).write(str(tmp_path / "rebuilt"))
+    names = [*SCALARS, "grad_sums/0"]
+    assert _checkpoint_keys(path) == sorted(f"acc/{n}{suffix}" for n in names)
+    reader = tf.train.load_checkpoint(path)
+    assert reader.get_variable_to_shape_map()[f"acc/grad_sums/0{suffix}"] == [1]
+
+
+def test_a_checkpoint_read_before_build_restores_the_state_at_build(tmp_path):
+    """A checkpoint read into an unbuilt engine (a model restored before its
+    first step) restores the state when the engine is built."""
+    v, w = _variables((2,), (1,))
+    acc = Accumulator(4)
+    acc.build([v, w])
+    feed = _driver(acc, [v, w], Recorder([v, w]), "eager")
+    feed([np.array([1.0, 2.0], "float32"), np.array([3.0], "float32")], weight=2.0)
+    path = tf.train.Checkpoint(acc=acc).write(str(tmp_path / "ckpt"))
+    fresh = Accumulator(4)
+    tf.train.Checkpoint(acc=fresh).read(path).assert_existing_objects_matched()
+    fresh.build([v, w])
+    assert _state(fresh) == _state(acc)
+    assert (_state(fresh)["micro_step"], _state(fresh)["weight_sum"]) == (1, 2.0)
+    np.testing.assert_array_equal(fresh.state.grad_sums[0].numpy(), [2.0, 4.0])
+    np.testing.assert_array_equal(fresh.state.grad_sums[1].numpy(), [6.0])
