@@ -3,10 +3,11 @@
 and to its parts (one accumulator per extra loss denominator).
 
 :class:`Links` is the part of :class:`~gradient_accumulator.core.engine.Engine`
-that makes and breaks these links (a mixin: it reads the engine's
-``_wiring``, ``_parts`` and ``_prefix`` and makes parts with its
-``_new_part`` hook); :class:`Wiring` holds them. A :class:`Group` is one
-accumulator's share of an update, which a follower records for its leader.
+that makes and breaks these links and reads them for a cycle's end (a
+mixin: it reads the engine's ``_wiring``, ``_parts``, ``_prefix`` and
+``state`` and makes parts with its ``_new_part`` hook); :class:`Wiring`
+holds them. A :class:`Group` is one accumulator's share of an update, which
+a follower records for its leader and a host's binding gives at a flush.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ class Wiring:
         self.leader: Links | None = None
         self.followers: list[Links] = []
         self.pending: Group | None = None
-        self.keys: tuple = ()
-        self.paths: tuple = ()
         self.present: dict[int, bool] = {}
         self.binding: Binding | None = None
         self.flush_fns: dict = {}
