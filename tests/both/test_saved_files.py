@@ -2,9 +2,11 @@
 exactly, in each Keras (issue 32: files saved before the hosts were written
 once still load).
 
-``tests/data/saved_91ba877/<keras>/`` holds ``.keras`` files saved mid-cycle
-(2 micro-batches pending of 4) by commit 91ba877, the version before that
-restructuring, each with an ``.npz``: the micro-batches that version trained
+``tests/data/saved_<commit>/<keras>/`` holds ``.keras`` files saved
+mid-cycle (2 micro-batches pending of 4) by commit 91ba877, the version
+before that restructuring, and by a36fc7b, the version before the Keras
+packages were made symmetric (issue 42), each with an ``.npz``: the
+micro-batches that version trained
 on next and the weights it reached. Made by ``tests/data/make_saved_files.py``
 (its docstring says how). Loaded here with ``load_model`` and no
 ``custom_objects``, each model must hold the pending micro-batches and,
@@ -24,7 +26,7 @@ import gradient_accumulator  # noqa: F401
 from tests.flavour import NAME, keras
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-VERSIONS = ["saved_91ba877"]
+VERSIONS = ["saved_91ba877", "saved_a36fc7b"]
 CASES = ["model_bn", "accumulate", "optimizer"]
 K = 4  # accum_steps of every saved model
 B = 4  # micro-batch size
