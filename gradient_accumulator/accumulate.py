@@ -15,6 +15,8 @@ the work.)
 
 from __future__ import annotations
 
+import keras
+
 from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import in_place, public
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
@@ -22,7 +24,10 @@ from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumu
 accumulate = public.accumulate(FLAVOUR, __name__)
 
 
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class Accumulating(in_place.Loader):
     """Loads a model saved after :func:`accumulate`: rebuilds it with its own
     class's ``from_config``, then makes it accumulate with the saved
     settings (Keras then restores its weights and the pending state)."""
+
+    _flavour = FLAVOUR

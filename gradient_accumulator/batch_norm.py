@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import keras
 
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 
 
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class AccumBatchNormalization(AccumBatchNorm, keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` for gradient accumulation.
 
@@ -59,3 +61,5 @@ class AccumBatchNormalization(AccumBatchNorm, keras.layers.BatchNormalization):
     >>> h = AccumBatchNormalization()(keras.layers.Dense(16)(inputs))
     >>> model = GradientAccumulateModel(4, inputs=inputs, outputs=h)
     """
+
+    _flavour = FLAVOUR

@@ -43,6 +43,8 @@ class AccumulationScheduler(training_control.SchedulerLogic, keras.callbacks.Cal
     5
     """
 
+    _flavour = FLAVOUR
+
 
 class FlushPartialCycle(training_control.FlushLogic, keras.callbacks.Callback):
     """Flushes (or drops) an incomplete accumulation cycle at every epoch end
@@ -58,3 +60,5 @@ class FlushPartialCycle(training_control.FlushLogic, keras.callbacks.Callback):
         every_epoch: act at every epoch end (default) or only when training
             ends.
     """
+
+    _flavour = FLAVOUR

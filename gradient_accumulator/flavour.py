@@ -21,7 +21,7 @@ from gradient_accumulator._keras_compat import (
     clone_initializer,
     track_variable,
 )
-from gradient_accumulator._which_keras import KERAS3
+from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 from gradient_accumulator.core.validation import check_bool
 from gradient_accumulator.hosts import loss_scale as host_loss_scale
 from gradient_accumulator.hosts.flavour import Flavour
@@ -255,6 +255,14 @@ class Keras3Flavour(Flavour):
         from gradient_accumulator.batch_norm import AccumBatchNormalization
 
         return AccumBatchNormalization
+
+    def other_optimizer_wrapper(self, optimizer):
+        if keras_of(optimizer) != TF_KERAS:
+            return None
+        # Imports tf-keras, which only a tf-keras optimizer here implies.
+        from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
+
+        return GradientAccumulateOptimizer
 
 
 FLAVOUR = Keras3Flavour()

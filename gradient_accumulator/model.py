@@ -8,9 +8,11 @@ import threading
 import keras
 
 from gradient_accumulator._keras_compat import GraphRunHook
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.model import ModelHost, construct_dropping_duplicates
 
 
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
     """A Keras model that applies one optimizer update per ``accum_steps``
     micro-batches, with the gradient of the concatenated big batch.
@@ -99,6 +101,8 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
     >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
     1
     """
+
+    _flavour = FLAVOUR
 
     @property
     def micro_batch_size(self) -> int | None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import keras
 
 from gradient_accumulator._keras_compat import optimizer_built_variables
+from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.loss_scale import scaler_of
 from gradient_accumulator.hosts.optimizer import OptimizerHost
 from gradient_accumulator.loss_scale import keras_apply
 
 
+@keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
     """Wraps a Keras optimizer so that it updates once per ``accum_steps`` calls.
 
@@ -59,6 +61,8 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
     >>> int(opt.iterations)
     1
     """
+
+    _flavour = FLAVOUR
 
     def scale_loss(self, loss):
         loss = self.inner_optimizer.scale_loss(loss)

@@ -24,7 +24,7 @@ from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.core.validation import check_batch_norm_arguments
-from gradient_accumulator.hosts.flavour import Flavoured
+from gradient_accumulator.hosts.flavour import Flavour
 
 # Keras' BatchNormalization config keys for batch renormalisation, which this
 # layer does not implement (its moving statistics are not averages of batch
@@ -32,10 +32,11 @@ from gradient_accumulator.hosts.flavour import Flavoured
 _RENORM_KEYS = ("renorm", "renorm_clipping", "renorm_momentum")
 
 
-class AccumBatchNorm(Flavoured):
+class AccumBatchNorm:
     """Mixin for a Keras' ``BatchNormalization``: see the public classes."""
 
-    _serializable = True
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def __init__(
         self,

@@ -11,22 +11,9 @@ Keras is a third such subclass and the thin public classes over it.
 from __future__ import annotations
 
 import abc
-import importlib
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
-
-from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of, keras_of_class
-
-# Where each Keras' flavour and public classes live.
-_FLAVOUR_MODULES = {
-    KERAS3: "gradient_accumulator.flavour",
-    TF_KERAS: "gradient_accumulator.keras2.flavour",
-}
-_PUBLIC_PACKAGES = {
-    KERAS3: "gradient_accumulator",
-    TF_KERAS: "gradient_accumulator.keras2",
-}
 
 
 class Flavour(abc.ABC):
@@ -337,46 +324,8 @@ class Flavour(abc.ABC):
     def batch_norm_layer(self) -> type:
         """This Keras' ``AccumBatchNormalization``."""
 
-
-def flavour_of(value) -> Flavour | None:
-    """The flavour of the Keras ``value`` (an instance) belongs to, or None."""
-    return _flavour(keras_of(value))
-
-
-def _flavour(keras: str | None) -> Flavour | None:
-    if keras is None:
-        return None
-    return importlib.import_module(_FLAVOUR_MODULES[keras]).FLAVOUR
-
-
-def _class_flavour(cls: type) -> Flavour | None:
-    """The flavour of the Keras ``cls`` derives from; for a class of no
-    Keras base (``Accumulating``), of the public package it is defined in."""
-    keras = keras_of_class(cls)
-    if keras is None:
-        package = cls.__module__.rpartition(".")[0]
-        keras = next((k for k, p in _PUBLIC_PACKAGES.items() if p == package), None)
-    return _flavour(keras)
-
-
-class Flavoured:
-    """Base of the hosts: gives the public class of each Keras (the first
-    class derived from a host) ``_flavour``, the flavour of its Keras, and
-    registers it under ``gradient_accumulator>`` its name when the host is
-    ``_serializable``, as
-    ``keras.saving.register_keras_serializable(package="gradient_accumulator")``
-    would. Classes derived from a public class (a user's subclass, a
-    functional variant, an accumulating class) inherit its flavour and are
-    not registered."""
-
-    _flavour: Flavour | None = None
-    _serializable = False  # set by the hosts of classes saved files name
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if cls._flavour is not None:
-            return
-        cls._flavour = _class_flavour(cls)
-        if cls._serializable and cls._flavour is not None:
-            saving = cls._flavour.keras.saving
-            saving.register_keras_serializable(package="gradient_accumulator")(cls)
+    @abc.abstractmethod
+    def other_optimizer_wrapper(self, optimizer) -> type | None:
+        """The other Keras' ``GradientAccumulateOptimizer`` when
+        ``optimizer`` is that Keras', else None: the optimizer handed in
+        decides which Keras' wrapper wraps it."""

@@ -15,7 +15,7 @@ from typing import TypeVar
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.settings import SAVED, Settings
 from gradient_accumulator.core.validation import check_single_accumulation
-from gradient_accumulator.hosts.flavour import Flavour, Flavoured
+from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.model import restored
 
 # Saved files name this loader, which rebuilds the model's own class first.
@@ -132,11 +132,12 @@ def _accumulating_class(flavour: Flavour, own: type) -> type:
     return _CLASSES[own]
 
 
-class Loader(Flavoured):
+class Loader:
     """Mixin for a Keras' ``Accumulating``, the class saved files name: it
     loads a model saved after ``accumulate``."""
 
-    _serializable = True
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def get_config(self) -> dict:  # Keras registers only classes that have one
         raise NotImplementedError("Models save the config of their own class.")

@@ -2,7 +2,7 @@
 the mixin under each Keras' public ``GradientAccumulateModel``.
 
 It imports no Keras: the public class has its Keras' ``_flavour`` (a
-``hosts.flavour.Flavour``, see ``hosts.flavour.Flavoured``). One
+``hosts.flavour.Flavour``, set in the public class). One
 micro-batch's forward and backward pass is
 in ``hosts/micro_batch.py``, the in-step slices (Keras 3) in
 ``hosts/in_step.py``.
@@ -22,7 +22,7 @@ from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts import loss_scale
-from gradient_accumulator.hosts.flavour import Flavour, Flavoured
+from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.functional_variants import construct
 from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import (
@@ -42,11 +42,12 @@ _functional_variants: dict[type, type] = {}
 _PARTIAL_CYCLES: dict = {}  # each Keras' fit callback (_partial_cycles)
 
 
-class ModelHost(Flavoured):
+class ModelHost:
     """What ``GradientAccumulateModel`` adds to a Keras ``Model``; see the
     public class of each Keras for its use."""
 
-    _serializable = True
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def __init__(
         self,

@@ -5,7 +5,7 @@
 ``gradient_accumulator/keras2/optimizer.py``): what differs between the
 Kerases (which objects are optimizers, the engine's kind, the loss scaler's
 rules, saving) comes from the ``# --- optimizer host`` fields of the class's
-``_flavour`` (its Keras', see ``hosts.flavour.Flavoured``). What a Keras'
+``_flavour`` (its Keras', set in the public class). What a Keras'
 optimizer API alone has (Keras 3's ``apply`` and ``scale_loss``, tf-keras'
 ``apply_gradients`` options) stays in its public class.
 """
@@ -28,7 +28,7 @@ from gradient_accumulator.core.validation import (
 )
 from gradient_accumulator.core.weighting import backward_share, optimizer_weight
 from gradient_accumulator.hosts import loss_scale
-from gradient_accumulator.hosts.flavour import Flavoured, flavour_of
+from gradient_accumulator.hosts.flavour import Flavour
 
 NAME = "GradientAccumulateOptimizer"
 
@@ -37,17 +37,18 @@ def _no_scaler() -> None:
     return None
 
 
-class OptimizerHost(Flavoured):
+class OptimizerHost:
     """The optimizer wrapper's logic over a Keras' optimizer base class (see
     the public ``GradientAccumulateOptimizer`` for the arguments)."""
 
-    _serializable = True
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def __new__(cls, optimizer="SGD", *args, **kwargs):
         # The optimizer handed in decides which Keras's wrapper wraps it.
-        flavour = flavour_of(optimizer)
-        if flavour is not None and flavour.name != cls._flavour.name:
-            return flavour.optimizer_wrapper()(optimizer, *args, **kwargs)
+        other = cls._flavour.other_optimizer_wrapper(optimizer)
+        if other is not None:
+            return other(optimizer, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(

@@ -9,16 +9,19 @@ from typing import Any
 
 import tensorflow as tf
 
-from gradient_accumulator.hosts.flavour import Flavoured
+from gradient_accumulator.hosts.flavour import Flavour
 
 
-class PruningStepLogic(Flavoured):
+class PruningStepLogic:
     """``PruningStepPerUpdate``: see the host class for the docs."""
+
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def __init__(self):
         super().__init__()
         flavour = self._flavour
-        if flavour is None or flavour.update_pruning_step is None:
+        if flavour.update_pruning_step is None:
             raise ImportError(
                 "PruningStepPerUpdate is for tf-keras (TF_USE_LEGACY_KERAS=1), "
                 "as TensorFlow Model Optimization is."

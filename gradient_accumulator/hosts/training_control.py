@@ -1,7 +1,7 @@
 """The logic of the public cycle-control callbacks, ``AccumulationScheduler``
 and ``FlushPartialCycle``, written once for Keras 3 and tf-keras: each host
 Keras has thin subclasses that mix these into its ``Callback``; their
-flavour (``_flavour``, see ``hosts.flavour.Flavoured``) gives its
+flavour (``_flavour``, set in the public class) gives its
 accumulating classes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numbers
 from collections.abc import Callable, Mapping
 
 from gradient_accumulator.core.validation import check_accum_steps
-from gradient_accumulator.hosts.flavour import Flavour, Flavoured
+from gradient_accumulator.hosts.flavour import Flavour
 
 
 def accumulating(model, flavour: Flavour):
@@ -33,8 +33,11 @@ def accumulating(model, flavour: Flavour):
     )
 
 
-class _Hosted(Flavoured):
+class _Hosted:
     """A callback that acts on the accumulation of ``self.model``."""
+
+    # The flavour of its Keras: each Keras' public class sets it.
+    _flavour: Flavour
 
     def _target(self):
         return accumulating(self.model, self._flavour)

@@ -6,6 +6,8 @@ The same function as Keras 3's, for tf-keras (``hosts/public.py`` makes both;
 
 from __future__ import annotations
 
+import tf_keras
+
 from gradient_accumulator.hosts import in_place, public
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 from gradient_accumulator.keras2.flavour import FLAVOUR
@@ -13,7 +15,10 @@ from gradient_accumulator.keras2.flavour import FLAVOUR
 accumulate = public.accumulate(FLAVOUR, __name__)
 
 
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class Accumulating(in_place.Loader):
     """Loads a tf-keras model saved after :func:`accumulate`: rebuilds it
     with its own class's ``from_config``, then makes it accumulate with the
     saved settings."""
+
+    _flavour = FLAVOUR

@@ -7,8 +7,10 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
+from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class AccumBatchNormalization(AccumBatchNorm, tf_keras.layers.BatchNormalization):
     """``tf.keras.layers.BatchNormalization`` (tf-keras) for gradient
     accumulation.
@@ -34,3 +36,5 @@ class AccumBatchNormalization(AccumBatchNorm, tf_keras.layers.BatchNormalization
     >>> layer(tf_keras.Input((8,))).shape.as_list()
     [None, 8]
     """
+
+    _flavour = FLAVOUR

@@ -7,6 +7,7 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts import pruning, training_control
+from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
 class AccumulationScheduler(
@@ -39,6 +40,8 @@ class AccumulationScheduler(
     5
     """
 
+    _flavour = FLAVOUR
+
 
 class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback):
     """Flushes (``mode="flush"``) or drops (``mode="drop"``) an incomplete
@@ -47,6 +50,8 @@ class FlushPartialCycle(training_control.FlushLogic, tf_keras.callbacks.Callback
     tf-keras ``GradientAccumulateOptimizer`` (the model wrapper has its
     ``partial_cycle`` argument). As the Keras 3 ``FlushPartialCycle``.
     """
+
+    _flavour = FLAVOUR
 
 
 class PruningStepPerUpdate(pruning.PruningStepLogic, tf_keras.callbacks.Callback):
@@ -66,3 +71,5 @@ class PruningStepPerUpdate(pruning.PruningStepLogic, tf_keras.callbacks.Callback
     callback list serves both. Needs ``tensorflow-model-optimization``
     (imported when the callback is made). See docs/recipes-tf-keras.md.
     """
+
+    _flavour = FLAVOUR

@@ -8,7 +8,7 @@ import dataclasses
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator._which_keras import TF_KERAS
+from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts.flavour import Flavour
@@ -345,6 +345,13 @@ class TfKerasFlavour(Flavour):
         from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
 
         return AccumBatchNormalization
+
+    def other_optimizer_wrapper(self, optimizer):
+        if keras_of(optimizer) != KERAS3:
+            return None
+        from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+
+        return GradientAccumulateOptimizer
 
 
 FLAVOUR = TfKerasFlavour()

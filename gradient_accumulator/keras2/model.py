@@ -6,8 +6,10 @@ from __future__ import annotations
 import tf_keras
 
 from gradient_accumulator.hosts.model import ModelHost
+from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateModel(ModelHost, tf_keras.Model):
     """A tf-keras model that applies one optimizer update per
     ``accum_steps`` micro-batches, with the gradient of the concatenated big
@@ -38,6 +40,8 @@ class GradientAccumulateModel(ModelHost, tf_keras.Model):
     >>> int(model.optimizer.iterations)  # 4 micro-batches of 8 -> one update
     1
     """
+
+    _flavour = FLAVOUR
 
 
 # ``.h5`` files name a model by its bare class name (``.keras`` files by the

@@ -9,6 +9,7 @@ from gradient_accumulator.hosts.optimizer import OptimizerHost
 from gradient_accumulator.keras2.flavour import FLAVOUR
 
 
+@tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
 class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
     """Wraps a tf-keras optimizer so that it updates once per ``accum_steps``
     calls of ``apply_gradients`` (or ``minimize``).
@@ -36,6 +37,8 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
     >>> int(sgd.iterations)  # 4 micro-batches of 8 -> one update
     1
     """
+
+    _flavour = FLAVOUR
 
     @OptimizerHost.iterations.setter
     def iterations(self, variable):
