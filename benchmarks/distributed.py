@@ -186,7 +186,7 @@ def worker(args) -> None:
     import tensorflow as tf
 
     from gradient_accumulator import GradientAccumulateModel
-    from gradient_accumulator.distributed import already_reduced
+    from gradient_accumulator.keras3.inner_optimizers import already_reduced
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     widths = (64, 64) if args.quick else (2048, 2048, 1024, 1024)

@@ -11,11 +11,9 @@ without loading TensorFlow, and load it quietly before anything else does.
 
 # Modules and helpers under private names: dir(gradient_accumulator) and
 # tab completion show the public names only.
-import importlib as _importlib
 import itertools as _itertools
 import os as _os
 import sys as _sys
-import types as _types
 
 from gradient_accumulator._requirements import (
     check_installed as _check_installed,
@@ -25,48 +23,30 @@ from gradient_accumulator._requirements import (
 )
 from gradient_accumulator._version import __version__ as __version__
 
-# Public name -> the submodule that defines it.
-_EXPORTS = {
-    "AccumBatchNormalization": "batch_norm",
-    "AccumulationScheduler": "callbacks",
-    "Accumulator": "tracked_engine",
-    "FlushPartialCycle": "callbacks",
-    "GradientAccumulateModel": "model",
-    "GradientAccumulateOptimizer": "optimizer",
-    "Accumulating": "accumulate",
-    "LayerCheck": "verify",
-    "VariableCheck": "verify",
-    "VerifyReport": "verify",
-    "accumulate": "accumulate",
-    "adaptive_clip_grad": "agc",
-    "compute_norm": "agc",
-    "replace_batchnorm_layers": "convert",
-    "stop_accumulating": "accumulate",
-    "unitwise_norm": "agc",
-    "verify": "verify",
-}
-
-# Where tf.keras is tf-keras (TF_USE_LEGACY_KERAS=1), the public names are
-# the tf-keras hosts' (gradient_accumulator.keras2), so far these:
-_KERAS2_EXPORTS = {
-    "AccumBatchNormalization": "keras2.batch_norm",
-    "AccumulationScheduler": "keras2.callbacks",
-    "Accumulating": "keras2.accumulate",
-    "FlushPartialCycle": "keras2.callbacks",
-    "GradientAccumulateModel": "keras2.model",
-    "GradientAccumulateOptimizer": "keras2.optimizer",
-    "LayerCheck": "keras2.verify",
-    "PruningStepPerUpdate": "keras2.callbacks",
-    "VariableCheck": "keras2.verify",
-    "VerifyReport": "keras2.verify",
-    "accumulate": "keras2.accumulate",
-    "adaptive_clip_grad": "agc",
-    "compute_norm": "agc",
-    "replace_batchnorm_layers": "keras2.convert",
-    "stop_accumulating": "keras2.accumulate",
-    "unitwise_norm": "agc",
-    "verify": "keras2.verify",
-}
+# The public names: each Keras package's (``keras3``, ``keras2``: the same
+# modules and names), less the one each alone has, and the 0.5.x clipping
+# functions (Keras-free, from ``agc``). A test compares these with the
+# packages' ``__all__``.
+_SHARED = (
+    "AccumBatchNormalization",
+    "AccumulationScheduler",
+    "Accumulating",
+    "FlushPartialCycle",
+    "GradientAccumulateModel",
+    "GradientAccumulateOptimizer",
+    "LayerCheck",
+    "VariableCheck",
+    "VerifyReport",
+    "accumulate",
+    "replace_batchnorm_layers",
+    "stop_accumulating",
+    "verify",
+)
+_KERAS3_ONLY = ("Accumulator",)
+# TensorFlow Model Optimization, whose pruning callback it wraps, builds on
+# tf-keras only.
+_TF_KERAS_ONLY = ("PruningStepPerUpdate",)
+_CLIPPING = ("adaptive_clip_grad", "compute_norm", "unitwise_norm")
 
 
 def _tf_keras_in_use() -> bool:
@@ -77,68 +57,60 @@ def _tf_keras_in_use() -> bool:
     return _legacy_keras_requested()
 
 
-# The public names of the Keras in use: its export table without the loader
-# that saved files name (`Accumulating`, found by Keras, not by users).
-__all__ = sorted(
-    [*(_KERAS2_EXPORTS if _tf_keras_in_use() else _EXPORTS), "__version__"]
-)
-__all__.remove("Accumulating")
+def _exports() -> tuple[str, ...]:
+    """The public names of the Keras in use (``Accumulating`` among them)."""
+    own = _TF_KERAS_ONLY if _tf_keras_in_use() else _KERAS3_ONLY
+    return (*_SHARED, *own, *_CLIPPING)
+
+
+# The public names of the Keras in use, without the loader that saved files
+# name (`Accumulating`, found by Keras, not by users).
+__all__ = sorted(n for n in (*_exports(), "__version__") if n != "Accumulating")
 
 
 def _load() -> None:
-    """Imports every public name into this module (once), from the hosts of
-    the Keras that ``tf.keras`` is."""
-    _importlib.import_module(f"{__name__}._backend")  # fails on other backends
-    exports = _KERAS2_EXPORTS if _tf_keras_in_use() else _EXPORTS
-    modules = {
-        m: _importlib.import_module(f"{__name__}.{m}") for m in set(exports.values())
-    }
+    """Imports every public name into this module (once), from the package
+    of the Keras that ``tf.keras`` is."""
+    from gradient_accumulator import (
+        _backend,  # noqa: F401 (other backends fail)
+        agc,
+    )
+
+    if _tf_keras_in_use():
+        from gradient_accumulator import keras2 as package
+    else:
+        from gradient_accumulator import keras3 as package
     namespace = globals()
-    for name, module in exports.items():
-        namespace[name] = getattr(modules[module], name)
-    namespace["_loaded"] = exports
+    for name in _exports():
+        namespace[name] = getattr(agc if name in _CLIPPING else package, name)
+    namespace["_loaded"] = True
 
 
 def __getattr__(name: str):
-    if (name in _EXPORTS or name in _KERAS2_EXPORTS) and "_loaded" not in globals():
+    known = (*_SHARED, *_KERAS3_ONLY, *_TF_KERAS_ONLY, *_CLIPPING)
+    if name in known and "_loaded" not in globals():
         _load()
     if name in globals():
         return globals()[name]
-    if name in _KERAS2_EXPORTS and name not in _EXPORTS:
-        # ImportError, as for the names not yet ported to tf-keras: `from
+    if name in _TF_KERAS_ONLY:
+        # ImportError, as for the names of the other Keras: `from
         # gradient_accumulator import ...` shows it as it is.
         raise ImportError(
             f"gradient_accumulator.{name} is for tf-keras "
             "(TF_USE_LEGACY_KERAS=1), as TensorFlow Model Optimization is: "
             "tf.keras is Keras 3 here."
         )
-    if name in _EXPORTS:
+    if name in _KERAS3_ONLY:
         raise ImportError(
-            f"gradient_accumulator.{name} is not available for tf-keras yet "
+            f"gradient_accumulator.{name} is not available for tf-keras "
             "(tf.keras is tf-keras here: TF_USE_LEGACY_KERAS is set). "
-            f"Available: {', '.join(sorted(_KERAS2_EXPORTS))}."
+            f"Available: {', '.join(sorted(_exports()))}."
         )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
     return list(__all__)  # what tab completion and dir() offer: the public names
-
-
-class _Package(_types.ModuleType):
-    """Keeps each public name bound to its function or class: importing the
-    submodule ``gradient_accumulator.verify`` makes the import system bind
-    the name ``verify`` on the package to that submodule, which would hide
-    the function ``verify`` (the eager ``from ... import verify`` used to
-    overwrite it)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _EXPORTS and isinstance(value, _types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
 
 
 # Fail at import, in one line, without a TensorFlow in the supported range
@@ -151,7 +123,7 @@ if (
     "keras" in _sys.modules
     or _os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow"
 ):
-    _importlib.import_module(f"{__name__}._backend")
+    from gradient_accumulator import _backend  # noqa: F401
 
 
 def _is_own_program() -> bool:

@@ -13,7 +13,7 @@ from gradient_accumulator._moved_paths import warn_moved
 
 warn_moved(
     __name__,
-    "gradient_accumulator (gradient_accumulator.model, gradient_accumulator.optimizer)",
+    "gradient_accumulator (gradient_accumulator.keras3, gradient_accumulator.keras2)",
 )
 
 __all__ = ["GradientAccumulateModel", "GradientAccumulateOptimizer", "get_gradients"]

@@ -132,7 +132,7 @@ def run_verify(args: argparse.Namespace) -> int:
     import keras
     import tensorflow as tf
 
-    from gradient_accumulator.verify import verify
+    from gradient_accumulator.keras3.verify import verify
 
     # Same ops, same order: the remaining differences are the reordered sums.
     tf.config.experimental.enable_op_determinism()

@@ -5,6 +5,6 @@ public name is)."""
 from gradient_accumulator import AccumBatchNormalization
 from gradient_accumulator._moved_paths import warn_moved
 
-warn_moved(__name__, "gradient_accumulator (gradient_accumulator.batch_norm)")
+warn_moved(__name__, "gradient_accumulator (gradient_accumulator.keras3.batch_norm)")
 
 __all__ = ["AccumBatchNormalization"]

@@ -10,7 +10,8 @@ from gradient_accumulator import AccumBatchNormalization, replace_batchnorm_laye
 from gradient_accumulator._moved_paths import warn_moved
 
 warn_moved(
-    __name__, "gradient_accumulator (gradient_accumulator.batch_norm and .convert)"
+    __name__,
+    "gradient_accumulator (gradient_accumulator.keras3.batch_norm and .convert)",
 )
 
 __all__ = ["AccumBatchNormalization", "replace_batchnorm_layers"]

@@ -3,7 +3,7 @@
 The hosts in this folder are written once and import no Keras; each public
 class tells them its Keras by a :class:`Flavour` instance (``_flavour``),
 and each Keras has one module whose subclass implements the hooks from its
-own classes and its private names (``gradient_accumulator/flavour.py`` for
+own classes and its private names (``gradient_accumulator/keras3/flavour.py`` for
 Keras 3, ``gradient_accumulator/keras2/flavour.py`` for tf-keras). A third
 Keras is a third such subclass and the thin public classes over it.
 """
@@ -18,7 +18,7 @@ from typing import Any
 
 class Flavour(abc.ABC):
     """What the hosts need of one Keras: the hooks each Keras' subclass
-    implements (``gradient_accumulator/flavour.py``: Keras 3,
+    implements (``gradient_accumulator/keras3/flavour.py``: Keras 3,
     ``gradient_accumulator/keras2/flavour.py``: tf-keras), as Keras 3's
     backends override its ``_backend_*`` methods.
 

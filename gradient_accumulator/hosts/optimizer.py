@@ -1,7 +1,7 @@
 """``GradientAccumulateOptimizer``'s logic, written once for both Kerases.
 
 :class:`OptimizerHost` is the mixin under each Keras' public
-``GradientAccumulateOptimizer`` (``gradient_accumulator/optimizer.py``,
+``GradientAccumulateOptimizer`` (``gradient_accumulator/keras3/optimizer.py``,
 ``gradient_accumulator/keras2/optimizer.py``): what differs between the
 Kerases (which objects are optimizers, the engine's kind, the loss scaler's
 rules, saving) comes from the ``# --- optimizer host`` fields of the class's

@@ -19,33 +19,7 @@ from gradient_accumulator.keras2._compat import (
     config_as,
     draws_random,
 )
-
-
-# --- batch norm
-class LayerEngine(Engine):
-    """An engine whose variables are its layer's (non-trainable) weights, so
-    the layer saves and restores them with its own."""
-
-    def __init__(self, layer, settings: Settings):
-        super().__init__(settings, name="accumulator")
-        self._layer = layer
-
-    def _make_variable(self, name, shape, dtype, initializer, **kwargs):
-        if not isinstance(initializer, str):
-            initializer = tf_keras.initializers.Constant(initializer)
-        synchronization = kwargs.get("synchronization", "auto").upper()
-        aggregation = kwargs.get("aggregation", "none").upper()
-        return self._layer.add_weight(
-            name,
-            shape,
-            dtype,
-            initializer,
-            trainable=False,
-            experimental_autocast=False,
-            synchronization=getattr(tf.VariableSynchronization, synchronization),
-            aggregation=getattr(tf.VariableAggregation, aggregation),
-        )
-
+from gradient_accumulator.keras2.tracked_engine import LayerEngine
 
 # --- accumulate()
 # The settings (besides accum_steps) a tf-keras accumulating model's config
@@ -64,7 +38,7 @@ def _untracked(model, fn):
     return fn()
 
 
-class TfKerasFlavour(Flavour):
+class KerasFlavour(Flavour):
     """tf-keras' hooks (see ``hosts.flavour.Flavour`` for what each does)."""
 
     name = TF_KERAS
@@ -349,9 +323,9 @@ class TfKerasFlavour(Flavour):
     def other_optimizer_wrapper(self, optimizer):
         if keras_of(optimizer) != KERAS3:
             return None
-        from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+        from gradient_accumulator.keras3.optimizer import GradientAccumulateOptimizer
 
         return GradientAccumulateOptimizer
 
 
-FLAVOUR = TfKerasFlavour()
+FLAVOUR = KerasFlavour()

@@ -1,11 +1,11 @@
 """No file of ``tests/core`` imports a Keras: each is read (not imported), and
 neither it nor any module of the checkout it imports, followed to the end
-(``tests/utils.py``, ``gradient_accumulator/flavour.py``, ...), may import
+(``tests/utils.py``, ``gradient_accumulator/keras3/flavour.py``, ...), may import
 ``keras`` or ``tf_keras``. A name a module hands out from its ``__getattr__``
 (the package's public classes, ``tests.flavour.keras``) is loaded by name on
 first use, where reading cannot follow: taking one counts as a Keras import.
 So these tests are Keras-neutral, and one environment runs them
-(``tests/conftest.py``). ``tests/test_core.py`` checks the same of
+(``tests/conftest.py``). ``tests/core/test_core.py`` checks the same of
 ``gradient_accumulator/core``. Not seen: an attribute of a module imported
 whole (``ga.GradientAccumulateModel``), and a child process' imports."""
 

@@ -68,8 +68,8 @@ def test_public_names_are_the_tf_keras_hosts():
     assert tf.keras.Model is tf_keras.Model
 
 
-def test_names_not_yet_ported_say_so():
-    with pytest.raises(ImportError, match="not available for tf-keras yet"):
+def test_the_keras_3_only_name_says_so():
+    with pytest.raises(ImportError, match="not available for tf-keras"):
         from gradient_accumulator import Accumulator  # noqa: F401
 
 

@@ -228,7 +228,7 @@ def test_reduction_is_validated():
 def test_keras3_optimizer_gets_the_keras3_wrapper():
     """A Keras 3 optimizer handed to the (tf-keras) public wrapper is
     wrapped by the Keras 3 wrapper: its own Keras decides."""
-    from gradient_accumulator.optimizer import (
+    from gradient_accumulator.keras3.optimizer import (
         GradientAccumulateOptimizer as Keras3Wrapper,
     )
 

@@ -54,9 +54,9 @@ OLD_NAMES = {
 
 # Old paths that only re-export, and where their names live now.
 DEPRECATED = {
-    "gradient_accumulator.accumulators": "gradient_accumulator.model",
-    "gradient_accumulator.layers": "gradient_accumulator.batch_norm",
-    "gradient_accumulator.utils": "gradient_accumulator.batch_norm",
+    "gradient_accumulator.accumulators": "gradient_accumulator.keras3",
+    "gradient_accumulator.layers": "gradient_accumulator.keras3.batch_norm",
+    "gradient_accumulator.utils": "gradient_accumulator.keras3.batch_norm",
 }
 
 # 0.5.2 names with no counterpart in the package's namespace (tested by

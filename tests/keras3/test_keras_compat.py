@@ -1,6 +1,6 @@
 """The Keras / TensorFlow behaviour behind every private name the package uses.
 
-``gradient_accumulator._keras_compat`` holds every private Keras or
+``gradient_accumulator.keras3._compat`` holds every private Keras or
 TensorFlow name the package relies on. Each name exported there has one test
 here, ``test_<name>``, checking the behaviour the package relies on, so that
 a Keras or TensorFlow release that changes it fails here, naming it, rather
@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator import _keras_compat as compat
+from gradient_accumulator.keras3 import _compat as compat
 
 # Public names of the module that are not Keras / TensorFlow names.
 OWN_NAMES = {"KERAS_SPEC"}

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 import gradient_accumulator
+import gradient_accumulator.keras3 as ga_keras3
 from tests import doctest_child
 from tests.processes import REPO, describe, run_script
 
@@ -141,11 +142,12 @@ def run_page_blocks(page, tmp_path):
 DOCTEST_CHILD = doctest_child.script(
     "gradient_accumulator",
     """def modules(package):
+    import gradient_accumulator.keras3 as keras3
     names = [package.__name__] + [
         f"{package.__name__}.{m.name}"
         for m in pkgutil.iter_modules(package.__path__)
         if m.name != "keras2"
-    ]
+    ] + [f"{keras3.__name__}.{m.name}" for m in pkgutil.iter_modules(keras3.__path__)]
     return [(name, name) for name in names]""",
     "doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE",
 )
@@ -161,7 +163,8 @@ def test_docstring_examples_run(tmp_path):
         r"^doctest (\S+) attempted (\d+) failed (\d+)$", result.stdout, re.M
     )
     modules = {m.name for m in pkgutil.iter_modules(gradient_accumulator.__path__)}
-    assert len(counts) == len(modules - {"keras2"}) + 2, describe(result)
+    keras3 = {m.name for m in pkgutil.iter_modules(ga_keras3.__path__)}
+    assert len(counts) == len(modules - {"keras2"}) + len(keras3) + 2, describe(result)
     failed = [name for name, _, n in counts if int(n)]
     assert not failed, describe(result)
     with_examples = [name for name, n, _ in counts if int(n)]

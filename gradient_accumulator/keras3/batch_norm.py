@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")

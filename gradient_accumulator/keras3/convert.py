@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import public
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 replace_batchnorm_layers = public.replace_batchnorm_layers(FLAVOUR, __name__)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-CORE = Path(__file__).resolve().parents[1] / "gradient_accumulator" / "core"
+CORE = Path(__file__).resolve().parents[2] / "gradient_accumulator" / "core"
 MODULES = sorted(CORE.glob("*.py"))
 ALLOWED = {"tensorflow", "numpy", "gradient_accumulator"}
 

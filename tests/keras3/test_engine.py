@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator._keras_compat import track_variable
 from gradient_accumulator.core import engine_state, saved_state
 from gradient_accumulator.core.arithmetic import squared_norm
 from gradient_accumulator.core.engine_state import EngineState
 from gradient_accumulator.core.links import Binding
-from gradient_accumulator.tracked_engine import Accumulator
+from gradient_accumulator.keras3._compat import track_variable
+from gradient_accumulator.keras3.tracked_engine import Accumulator
 
 MODES = ["eager", "function"]
 NAN = float("nan")

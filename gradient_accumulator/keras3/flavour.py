@@ -10,9 +10,13 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from gradient_accumulator import _keras_compat as compat
-from gradient_accumulator import loss_scale
-from gradient_accumulator._keras_compat import (
+from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
+from gradient_accumulator.core.validation import check_bool
+from gradient_accumulator.hosts import loss_scale as host_loss_scale
+from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.keras3 import _compat as compat
+from gradient_accumulator.keras3 import loss_scale
+from gradient_accumulator.keras3._compat import (
     GLOBAL_CUSTOM_NAMES,
     Functional,
     all_layers,
@@ -21,14 +25,10 @@ from gradient_accumulator._keras_compat import (
     clone_initializer,
     track_variable,
 )
-from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
-from gradient_accumulator.core.validation import check_bool
-from gradient_accumulator.hosts import loss_scale as host_loss_scale
-from gradient_accumulator.hosts.flavour import Flavour
-from gradient_accumulator.tracked_engine import Accumulator
+from gradient_accumulator.keras3.tracked_engine import Accumulator
 
 
-class Keras3Flavour(Flavour):
+class KerasFlavour(Flavour):
     """Keras 3's hooks (see ``hosts.flavour.Flavour`` for what each does)."""
 
     name = KERAS3
@@ -242,17 +242,17 @@ class Keras3Flavour(Flavour):
 
     # --- this Keras' public classes (their modules import this one)
     def model_wrapper(self):
-        from gradient_accumulator.model import GradientAccumulateModel
+        from gradient_accumulator.keras3.model import GradientAccumulateModel
 
         return GradientAccumulateModel
 
     def optimizer_wrapper(self):
-        from gradient_accumulator.optimizer import GradientAccumulateOptimizer
+        from gradient_accumulator.keras3.optimizer import GradientAccumulateOptimizer
 
         return GradientAccumulateOptimizer
 
     def batch_norm_layer(self):
-        from gradient_accumulator.batch_norm import AccumBatchNormalization
+        from gradient_accumulator.keras3.batch_norm import AccumBatchNormalization
 
         return AccumBatchNormalization
 
@@ -265,4 +265,4 @@ class Keras3Flavour(Flavour):
         return GradientAccumulateOptimizer
 
 
-FLAVOUR = Keras3Flavour()
+FLAVOUR = KerasFlavour()

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import keras
 
-from gradient_accumulator._keras_compat import KerasSaveable
 from gradient_accumulator.core.engine import Engine
 from gradient_accumulator.core.settings import Settings
+from gradient_accumulator.keras3._compat import KerasSaveable
 
 
 class Accumulator(Engine, KerasSaveable):

@@ -7,9 +7,9 @@ import threading
 
 import keras
 
-from gradient_accumulator._keras_compat import GraphRunHook
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.model import ModelHost, construct_dropping_duplicates
+from gradient_accumulator.keras3._compat import GraphRunHook
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator._keras_compat import optimizer_built_variables
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts.loss_scale import scaler_of
 from gradient_accumulator.hosts.optimizer import OptimizerHost
-from gradient_accumulator.loss_scale import keras_apply
+from gradient_accumulator.keras3._compat import optimizer_built_variables
+from gradient_accumulator.keras3.flavour import FLAVOUR
+from gradient_accumulator.keras3.loss_scale import keras_apply
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")

@@ -7,7 +7,7 @@ import threading
 
 import tensorflow as tf
 
-from gradient_accumulator._keras_compat import set_all_reduce
+from gradient_accumulator.keras3._compat import set_all_reduce
 
 # MirroredStrategy traces each replica in its own thread.
 _lock = threading.Lock()

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import in_place, public
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 accumulate = public.accumulate(FLAVOUR, __name__)
 

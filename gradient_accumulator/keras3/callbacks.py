@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import training_control
-
-
-def accumulating(model: keras.Model):
-    """The object that owns ``model``'s accumulation: the model itself if it is
-    a ``GradientAccumulateModel``, else its ``GradientAccumulateOptimizer``
-    (also inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    return training_control.accumulating(model, FLAVOUR)
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 
 class AccumulationScheduler(training_control.SchedulerLogic, keras.callbacks.Callback):

@@ -31,8 +31,8 @@ import keras
 import tensorflow as tf
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
-from gradient_accumulator.distributed import already_reduced
 from gradient_accumulator.hosts import loss_scale as host
+from gradient_accumulator.keras3.inner_optimizers import already_reduced
 
 LossScaleOptimizer = keras.optimizers.LossScaleOptimizer
 

@@ -9,13 +9,13 @@ micro-batch — and compares every variable, layer by layer
 
 from __future__ import annotations
 
-from gradient_accumulator.flavour import FLAVOUR
 from gradient_accumulator.hosts import public
 from gradient_accumulator.hosts.equivalence import (
     LayerCheck,
     VariableCheck,
     VerifyReport,
 )
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
 
