@@ -25,8 +25,10 @@ from gradient_accumulator._version import __version__ as __version__
 
 # The public names: each Keras package's (``keras3``, ``keras2``: the same
 # modules and names), less the one each alone has, and the 0.5.x clipping
-# functions (Keras-free, from ``agc``). A test compares these with the
-# packages' ``__all__``.
+# functions (Keras-free, from ``agc``). Written out, not read from the
+# packages' ``__all__``: the project's own programs list them without loading
+# Keras. Every name must resolve (tests/keras3/test_quiet_start.py); a name
+# a package adds to its ``__all__`` must be added here by hand.
 _SHARED = (
     "AccumBatchNormalization",
     "AccumulationScheduler",
