@@ -1,11 +1,14 @@
-"""A model wrapper built from ``inputs`` and ``outputs`` without Keras
-rebasing the wrapper's classes, written once for Keras 3 and tf-keras.
+"""The functional variant of a model wrapper class, written once for Keras 3
+and tf-keras.
 
-Both Kerases make a ``Model`` subclass functional by rewriting the class's
-``__bases__`` to ``Functional`` for the whole process, after which
-subclassing it without ``inputs``/``outputs`` fails. :func:`construct` builds
-as Keras does, puts the classes back, and gives the instance a private class
-that derives from both the user's class and ``Functional``.
+A model wrapper built from ``inputs`` and ``outputs`` must be a
+``Functional`` model, as ``keras.Model(inputs, outputs)`` is. Keras makes a
+``Model`` subclass functional by rewriting the class's ``__bases__`` for the
+whole process, after which the same class can no longer be subclassed the
+other way (with a ``call``). The model wrapper does not let it: before Keras
+sees ``inputs`` and ``outputs``, it gives the instance the functional
+variant of its class, a class derived from both it and ``Functional`` (made
+once per class), whose MRO takes Keras straight to ``Functional.__init__``.
 """
 
 from __future__ import annotations
@@ -15,51 +18,38 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from gradient_accumulator._which_keras import other_keras
+from gradient_accumulator.hosts.flavour import Flavour
+
+# The functional variant of each class, by class.
+_VARIANTS: dict[type, type] = {}
 
 
-def construct(
-    model,
-    init: Callable,
-    args,
-    kwargs,
-    host: type,
-    functional: type,
-    variants: dict,
-    namespace: Callable[[type], dict],
-    register: Callable[[type, type], None],
-    keras: str,
-) -> None:
-    """Runs ``init(*args, **kwargs)`` (Keras' functional construction) for
-    ``model``, an instance of ``host`` (a model wrapper) or a subclass, then
-    restores the rebased classes and makes ``model``'s class the variant of
-    its public class (cached in ``variants``; ``namespace(cls)``: extra class
-    attributes; ``register(variant, cls)``: makes saved files name ``cls``;
-    ``keras``: the host's Keras, which ``inputs`` must be of)."""
-    inputs = kwargs.get("inputs", args[0] if args else None)
-    message = other_keras(tf.nest.flatten(inputs), keras, "`inputs`")
+def functional_variant(
+    cls: type, flavour: Flavour, inputs, namespace: Callable[[type], dict]
+) -> type:
+    """The class a model wrapper of class ``cls`` takes when it is built
+    from ``inputs`` (of ``flavour``'s Keras, else a TypeError): the subclass
+    of ``cls`` and its Keras' ``Functional``, or ``cls`` itself if it is
+    one. ``namespace(cls)``: the variant's extra class attributes. Saved
+    files name ``cls``, which rebuilds the variant."""
+    message = other_keras(tf.nest.flatten(inputs), flavour.name, "`inputs`")
     if message:
         # Keras itself fails later with "'KerasTensor' object has no
         # attribute 'node'", naming neither Keras.
-        raise TypeError(f"{host.__name__}: {message}")
-    cls = getattr(type(model), "_public_class", type(model))
-    bases = {c: c.__bases__ for c in cls.__mro__ if issubclass(c, host)}
-    try:
-        init(*args, **kwargs)
-    finally:
-        for klass, original in bases.items():
-            if klass.__bases__ != original:
-                klass.__bases__ = original
-    if cls not in variants:
+        raise TypeError(f"GradientAccumulateModel: {message}")
+    if issubclass(cls, flavour.functional):
+        return cls
+    if cls not in _VARIANTS:
         variant = type(
             cls.__name__,
-            (cls, functional),
+            (cls, flavour.functional),
             {
                 "__module__": cls.__module__,
                 "__qualname__": cls.__qualname__,
-                "_public_class": cls,
                 **namespace(cls),
             },
         )
-        register(variant, cls)
-        variants[cls] = variant
-    model.__class__ = variants[cls]
+        registered = flavour.keras.saving.get_registered_name(cls)
+        flavour.custom_names[variant] = registered
+        _VARIANTS[cls] = variant
+    return _VARIANTS[cls]

@@ -11,7 +11,6 @@ in ``hosts/micro_batch.py``, the in-step slices (Keras 3) in
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
 from collections.abc import Callable
 
@@ -19,11 +18,11 @@ import tensorflow as tf
 
 from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
-from gradient_accumulator.core.settings import Settings, model_settings
+from gradient_accumulator.core.settings import SAVED, Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.flavour import Flavour
-from gradient_accumulator.hosts.functional_variants import construct
+from gradient_accumulator.hosts.functional_variants import functional_variant
 from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import (
     Micro,
@@ -35,10 +34,7 @@ from gradient_accumulator.hosts.partial_cycles import (
     fit_with_partial_cycles,
 )
 
-_DUPLICATE = re.compile(r"multiple values for keyword argument '(\w+)'")
 _NAME = "GradientAccumulateModel"
-# The functional variant of each public class (see functional_variants).
-_functional_variants: dict[type, type] = {}
 _PARTIAL_CYCLES: dict = {}  # each Keras' fit callback (_partial_cycles)
 
 
@@ -92,32 +88,20 @@ class ModelHost:
             ),
         )
         if self._flavour.functional_arguments(args, kwargs):
-            construct(
-                self,
-                super().__init__,
-                args,
-                kwargs,
-                host=self._flavour.model_wrapper(),
-                functional=self._flavour.functional,
-                variants=_functional_variants,
+            # Before Keras sees them (see hosts/functional_variants.py).
+            self.__class__ = functional_variant(
+                type(self),
+                self._flavour,
+                kwargs.get("inputs", args[0] if args else None),
                 namespace=self._variant_namespace,
-                register=self._register_variant,
-                keras=self._flavour.name,
             )
-        else:
-            super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
         self._start_accumulating(settings)
 
     @classmethod
     def _variant_namespace(cls, public: type) -> dict:
         """Extra class attributes of the functional variant of ``public``."""
         return {}
-
-    @classmethod
-    def _register_variant(cls, variant: type, public: type) -> None:
-        # Saved files must name the public class, which rebuilds the variant.
-        names = cls._flavour.custom_names
-        names[variant] = cls._flavour.keras.saving.get_registered_name(public)
 
     @classmethod
     def _is_tensor_structure(cls, value) -> bool:
@@ -374,15 +358,26 @@ class ModelHost:
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Builds the model as Keras does, from its config without the
+        accumulation settings, then gives it those (a subclass may set some
+        itself in its ``__init__``: the saved ones win)."""
         config = dict(config)
-        while True:
-            try:
-                return cls._flavour.model_from_config(
-                    cls, dict(config), custom_objects, super().from_config
-                )
-            except TypeError as error:
-                if not _drop_duplicate(error, config):
-                    raise
+        settings = {k: config.pop(k) for k in SAVED if k in config}
+        model = cls._flavour.model_from_config(
+            cls, config, custom_objects, super().from_config
+        )
+        model._take_settings(restored(cls._flavour, settings))
+        return model
+
+    def _take_settings(self, settings: dict) -> None:
+        """Replaces the settings this model was built with by ``settings``
+        (those of a saved or cloned model; the others stay), before it has
+        traced a step: a fresh state for them, as construction gives."""
+        taken = dataclasses.replace(self._setup, **settings)
+        if taken != self._setup:
+            # Not _stop_accumulating: no layer follows this state yet.
+            self._flavour.untracked(self, self._release_state)
+            self._start_accumulating(taken)
 
     # ---------------------------------------------------------------- training
     def train_step(self, data):
@@ -482,27 +477,3 @@ def _partial_cycles(keras) -> type:
         bases = (PartialCycles, keras.callbacks.Callback)
         _PARTIAL_CYCLES[keras] = type("_PartialCycles", bases, {})
     return _PARTIAL_CYCLES[keras]
-
-
-def _drop_duplicate(error: TypeError, kwargs: dict) -> bool:
-    """A subclass that sets a setting itself, e.g.
-    ``super().__init__(accum_steps=4, **kwargs)``, receives a saved or cloned
-    one a second time: drops that from ``kwargs`` (its own value wins).
-    Returns whether it did."""
-    match = _DUPLICATE.search(str(error))
-    if match is None or match.group(1) not in kwargs:
-        return False
-    kwargs.pop(match.group(1))
-    return True
-
-
-def construct_dropping_duplicates(init: Callable, kwargs: dict):
-    """``init(**kwargs)``, without the settings a subclass sets itself (see
-    :func:`_drop_duplicate`)."""
-    kwargs = dict(kwargs)
-    while True:
-        try:
-            return init(**kwargs)
-        except TypeError as error:
-            if not _drop_duplicate(error, kwargs):
-                raise

@@ -139,7 +139,7 @@ class KerasFlavour(Flavour):
 
     # --- accumulate(), replace_batchnorm_layers, verify
     def compiled(self, model):
-        return model._is_compiled
+        return _compat.is_compiled(model)
 
     def accumulated_config(self, model, own):
         # Its own class's config, with the settings the model wrapper saves.
@@ -271,14 +271,11 @@ class KerasFlavour(Flavour):
 
     def model_from_config(self, cls, config, custom_objects, from_config):
         # tf-keras saves a Functional subclass with its own __init__ by its
-        # network and settings.
-        names = [f.name for f in dataclasses.fields(Settings)]
-        settings = {k: config.pop(k) for k in names if k in config}
+        # network (and the subclass's own config).
         if all(k in config for k in ("layers", "input_layers", "output_layers")):
             inputs, outputs, _ = _compat.reconstruct_from_config(config, custom_objects)
-            name = config.get("name")
-            return cls(inputs=inputs, outputs=outputs, name=name, **settings)
-        return cls(**config, **settings)
+            return cls(inputs=inputs, outputs=outputs, name=config.get("name"))
+        return cls(**config)
 
     def forward(self, model, x):
         return model(x, training=True)

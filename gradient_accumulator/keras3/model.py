@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import keras
 
-from gradient_accumulator.hosts.model import ModelHost, construct_dropping_duplicates
+from gradient_accumulator.hosts.model import ModelHost
 from gradient_accumulator.keras3._compat import GraphRunHook
 from gradient_accumulator.keras3.flavour import FLAVOUR
 
@@ -125,12 +124,14 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
             # the source's graph (see _before_graph_run, which left the
             # source's settings here). Keyword arguments serve a subclass
             # whose own __init__ takes only those.
+            settings = None
             if args and cls._is_tensor_structure(args[0]):
                 kwargs.update(zip(("inputs", "outputs"), args))
                 args = args[2:]
-                kwargs = {**_clone_source.__dict__.pop("settings", {}), **kwargs}
-            init = functools.partial(public.__init__, self, *args)
-            construct_dropping_duplicates(init, kwargs)
+                settings = _clone_source.__dict__.pop("settings", None)
+            public.__init__(self, *args, **kwargs)
+            if settings is not None:
+                self._take_settings(settings)
 
         return {"__init__": __init__}
 
