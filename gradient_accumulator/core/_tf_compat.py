@@ -1,6 +1,6 @@
 """The private TensorFlow names the engine relies on (it imports no Keras).
 
-``_keras_compat`` re-exports them, so each has its test, by name, in
+``keras3/_compat.py`` re-exports them, so each has its test, by name, in
 ``tests/keras3/test_keras_compat.py`` with the Keras names.
 """
 

@@ -36,7 +36,8 @@ from gradient_accumulator.core.validation import (
 class Settings:
     """Checked accumulation settings (see
     :class:`~gradient_accumulator.GradientAccumulateModel` for each). The
-    engine reads the first five; the rest are the model wrappers'."""
+    engine reads ``accum_steps``, ``use_agc``, ``clip_factor``, ``eps`` and
+    ``skip_update_fn``; the rest are the model wrappers'."""
 
     accum_steps: int = 1
     use_agc: bool = False

@@ -38,6 +38,7 @@ __all__ = [
     "config_as",
     "draws_random",
     "functional_config",
+    "is_compiled",
     "loss_scale_variable",
     "loss_terms",
     "model_optimization",
@@ -49,6 +50,11 @@ __all__ = [
     "update_pruning_step",
     "wrapping_loss_scaler",
 ]
+
+
+def is_compiled(model) -> bool:
+    """Whether ``model.compile`` has run (tf-keras keeps no public flag)."""
+    return model._is_compiled
 
 
 def track_state(model, name: str, state) -> None:

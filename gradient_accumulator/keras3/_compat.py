@@ -55,6 +55,7 @@ __all__ = [
     "optimizer_built_variables",
     "optimizer_own_variables",
     "optimizer_variable_tracker",
+    "seed_generators",
     "set_all_reduce",
     "track_variable",
     "unscale_loss_for_distribution",
@@ -71,6 +72,12 @@ def track_variable(layer, variable) -> None:
     layer._track_variable(variable)
     if locked:
         tracker.lock()
+
+
+def seed_generators(layer) -> list:
+    """The seed generators ``layer`` draws its random numbers from (Keras'
+    ``Dropout``, noise and random augmentation layers hold one each)."""
+    return list(getattr(layer, "_seed_generators", None) or [])
 
 
 class GraphRunHook:

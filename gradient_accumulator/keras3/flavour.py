@@ -1,5 +1,5 @@
 """The Keras 3 flavour: the hooks the hosts call (``hosts.flavour.Flavour``),
-from Keras 3's public API and the private names in ``_keras_compat``."""
+from Keras 3's public API and the private names in ``keras3/_compat.py``."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class KerasFlavour(Flavour):
         return all_layers(layer)
 
     def draws_random(self, layer):
-        return bool(getattr(layer, "_seed_generators", None))
+        return bool(compat.seed_generators(layer))
 
     def variable_name(self, variable):
         return variable.path.split("/")[-1]

@@ -88,6 +88,13 @@ def test_draws_random_tells_the_layers_that_draw_random_numbers():
         assert not compat.draws_random(layer), layer
 
 
+def test_is_compiled_tells_a_compiled_model():
+    model = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1)])
+    assert not compat.is_compiled(model)
+    model.compile(optimizer="sgd", loss="mse")
+    assert compat.is_compiled(model)
+
+
 def test_global_custom_names_name_a_class_in_saved_files():
     class Private(tf_keras.Model):
         pass

@@ -33,7 +33,7 @@ OWN_NAMES = {"KERAS_SPEC"}
 
 def _says(name: str, what: str) -> str:
     return (
-        f"_keras_compat.{name}: {what} (Keras {keras.__version__}, "
+        f"keras3/_compat.{name}: {what} (Keras {keras.__version__}, "
         f"TensorFlow {tf.__version__}; tested with keras{compat.KERAS_SPEC})"
     )
 
@@ -59,7 +59,7 @@ def test_all_lists_every_public_name_of_the_module():
         and not isinstance(value, type(annotations))  # __future__ features
     }
     assert set(compat.__all__) == defined - OWN_NAMES, (
-        "_keras_compat.__all__ must list exactly the module's Keras / "
+        "keras3/_compat.__all__ must list exactly the module's Keras / "
         "TensorFlow names (each needs a test here)"
     )
     assert len(compat.__all__) == len(set(compat.__all__))
@@ -68,7 +68,7 @@ def test_all_lists_every_public_name_of_the_module():
 @pytest.mark.parametrize("name", compat.__all__)
 def test_every_name_has_a_test(name):
     test = getattr(sys.modules[__name__], f"test_{name}", None)
-    assert callable(test), f"_keras_compat.{name} has no test_{name} in {__file__}"
+    assert callable(test), f"keras3/_compat.{name} has no test_{name} in {__file__}"
 
 
 def test_keras_version_is_in_the_tested_range():
@@ -510,8 +510,21 @@ def test_on_device_or_primary():
     assert compat.on_device_or_primary(local) is local.values[0]
 
 
+def test_seed_generators():
+    """Keras' random layers hold the seed generators they draw from; the
+    others hold none."""
+    for layer in (
+        keras.layers.Dropout(0.5),
+        keras.layers.GaussianNoise(0.1),
+        keras.layers.RandomFlip(),
+    ):
+        assert compat.seed_generators(layer), _says("seed_generators", str(layer))
+    for layer in (keras.layers.Dense(2), keras.layers.BatchNormalization()):
+        assert compat.seed_generators(layer) == [], _says("seed_generators", str(layer))
+
+
 def test_set_all_reduce():
-    """distributed.py replaces, per instance, the hook through which Keras'
+    """inner_optimizers.py replaces, per instance, the hook through which Keras'
     TensorFlow optimizer sums gradients in ``apply``, and restores it."""
     name = "_all_reduce_sum_gradients"
     optimizer = keras.optimizers.SGD(1.0)

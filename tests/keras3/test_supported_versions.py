@@ -632,7 +632,7 @@ def test_import_in_range_succeeds():
 
 # ------------------------------------------------------ private Keras names
 def test_a_moved_private_keras_name_fails_in_one_line_naming_the_range():
-    """A Keras release without one of the private names ``_keras_compat``
+    """A Keras release without one of the private names ``keras3/_compat.py``
     imports (here: ``apply_mask`` removed) stops the import with one line
     naming the Keras version and the supported range."""
     result = run_python(
