@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 from gradient_accumulator.hosts.flavour import Flavour
 
 BATCH_NORM = (
@@ -80,7 +81,7 @@ def own_causes(
             if optimization[0] == "quantization":
                 causes.append(prefix + QUANTIZATION.format(k=accum_steps))
             # A pruning wrapper's cause is its step: see state_causes.
-        elif isinstance(sub, flavour.batch_norm_layer()):
+        elif isinstance(sub, AccumBatchNorm):
             causes.append(prefix + ACCUM_BATCH_NORM)
         elif isinstance(sub, flavour.batch_norms):
             causes.append(prefix + BATCH_NORM)

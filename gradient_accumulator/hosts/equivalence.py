@@ -23,6 +23,7 @@ from gradient_accumulator.core.validation import (
 )
 from gradient_accumulator.hosts import causes as known
 from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.optimizer import OptimizerHost
 
 __all__ = [
     "LayerCheck",
@@ -223,10 +224,16 @@ def check_model_fn(flavour: Flavour, model_fn) -> None:
 
 
 def run(
-    flavour: Flavour, model_fn: Callable[[], Any], x: Any, y: Any, checked: Options
+    flavour: Flavour,
+    wrapper: type,
+    model_fn: Callable[[], Any],
+    x: Any,
+    y: Any,
+    checked: Options,
 ) -> VerifyReport:
-    """``verify(model_fn, x, y, ...)`` for ``flavour``'s Keras, with its
-    checked keyword arguments (see ``hosts/public.py``)."""
+    """``verify(model_fn, x, y, ...)`` for ``flavour``'s Keras, whose
+    ``GradientAccumulateModel`` is ``wrapper``, with its checked keyword
+    arguments (see ``hosts/public.py``)."""
     big = checked.micro_batch_size * checked.accum_steps
     needed = big * checked.steps
     x = _take(x, "x", needed)
@@ -243,7 +250,7 @@ def run(
     flavour.keras.utils.set_random_seed(int(checked.seed))
     template = _build(flavour, model_fn)
     _check_independent(source, template)
-    accumulated = flavour.model_wrapper()(
+    accumulated = wrapper(
         accum_steps=checked.accum_steps,
         inputs=template.inputs,
         outputs=template.outputs,
@@ -379,7 +386,7 @@ def _check_independent(first: Any, second: Any) -> None:
 
 
 def _optimizer_spec(flavour: Flavour, optimizer: Any, model: Any) -> Any:
-    accumulating = flavour.optimizer_wrapper()
+    accumulating = OptimizerHost
     if optimizer is None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:

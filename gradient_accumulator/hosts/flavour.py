@@ -311,19 +311,7 @@ class Flavour(abc.ABC):
     def state_scope(self, model):
         """A context in which the step builds the engine's variables."""
 
-    # ------------------------------------------- this Keras' public classes
-    @abc.abstractmethod
-    def model_wrapper(self) -> type:
-        """This Keras' ``GradientAccumulateModel``."""
-
-    @abc.abstractmethod
-    def optimizer_wrapper(self) -> type:
-        """This Keras' ``GradientAccumulateOptimizer``."""
-
-    @abc.abstractmethod
-    def batch_norm_layer(self) -> type:
-        """This Keras' ``AccumBatchNormalization``."""
-
+    # ------------------------------------------- the other Keras' optimizer wrapper
     @abc.abstractmethod
     def other_optimizer_wrapper(self, optimizer) -> type | None:
         """The other Keras' ``GradientAccumulateOptimizer`` when

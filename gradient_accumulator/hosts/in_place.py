@@ -16,7 +16,7 @@ from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.settings import SAVED, Settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts.flavour import Flavour
-from gradient_accumulator.hosts.model import restored
+from gradient_accumulator.hosts.model import ModelHost, restored
 
 # Saved files name this loader, which rebuilds the model's own class first.
 LOADER = "gradient_accumulator>Accumulating"
@@ -28,15 +28,16 @@ M = TypeVar("M")  # a model of either Keras
 _CLASSES: dict[type, type] = {}
 
 
-def start(flavour: Flavour, model, settings: Callable[[], Settings]):
-    """Checks ``model``, then makes it accumulate with ``settings()``."""
+def start(flavour: Flavour, wrapper: type, model, settings: Callable[[], Settings]):
+    """Checks ``model``, then makes it accumulate with ``settings()`` as
+    ``wrapper`` (its Keras' ``GradientAccumulateModel``) does."""
     if not isinstance(model, flavour.keras.Model):
         raise TypeError(
             f"`model` must be a {flavour.name}.Model instance. "
             f"Received: model={model!r} of type {type(model).__name__}. "
             + other_keras(model, flavour.name, "`model`")
         )
-    if isinstance(model, flavour.model_wrapper()):
+    if isinstance(model, ModelHost):
         raise ValueError(
             f"This {type(model).__name__} accumulates already; call "
             "stop_accumulating(model) first to change its settings."
@@ -57,7 +58,7 @@ def start(flavour: Flavour, model, settings: Callable[[], Settings]):
             checked.accum_steps,
             stacklevel=4,
         )
-    model.__class__ = _accumulating_class(flavour, own)
+    model.__class__ = _accumulating_class(flavour, wrapper, own)
     model._start_accumulating(checked)
     if flavour.compiled(model):
         # The train function Keras traced, if any, is plain training.
@@ -105,7 +106,7 @@ def _plain_train_step(cls: type, package: str):
     return None
 
 
-def _accumulating_class(flavour: Flavour, own: type) -> type:
+def _accumulating_class(flavour: Flavour, wrapper: type, own: type) -> type:
     if own not in _CLASSES:
 
         def get_config(self) -> dict:
@@ -119,7 +120,7 @@ def _accumulating_class(flavour: Flavour, own: type) -> type:
 
         cls = type(
             own.__name__,
-            (flavour.model_wrapper(), own),
+            (wrapper, own),
             {
                 "__module__": own.__module__,
                 "__qualname__": own.__qualname__,
@@ -136,8 +137,10 @@ class Loader:
     """Mixin for a Keras' ``Accumulating``, the class saved files name: it
     loads a model saved after ``accumulate``."""
 
-    # The flavour of its Keras: each Keras' public class sets it.
+    # The flavour of its Keras and its GradientAccumulateModel: each Keras'
+    # public class sets them.
     _flavour: Flavour
+    _model_wrapper: type
 
     def get_config(self) -> dict:  # Keras registers only classes that have one
         raise NotImplementedError("Models save the config of their own class.")
@@ -158,4 +161,6 @@ class Loader:
             own = getattr(module, reference["class_name"])
         model = own.from_config(config)
         settings = restored(cls._flavour, settings)
-        return start(cls._flavour, model, lambda: Settings(**settings))
+        return start(
+            cls._flavour, cls._model_wrapper, model, lambda: Settings(**settings)
+        )

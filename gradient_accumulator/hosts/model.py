@@ -21,6 +21,7 @@ from gradient_accumulator.core.saved_state import weight_names
 from gradient_accumulator.core.settings import SAVED, Settings, model_settings
 from gradient_accumulator.core.validation import check_single_accumulation
 from gradient_accumulator.hosts import loss_scale
+from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.functional_variants import functional_variant
 from gradient_accumulator.hosts.in_step import in_step_train_step
@@ -308,9 +309,8 @@ class ModelHost:
         path (``follow=False``) the layers act alone; both check their
         ``accum_steps`` against the model's."""
         steps = self._accumulator.accum_steps
-        batch_norm = self._flavour.batch_norm_layer()
         for layer in self._flavour.sublayers(self)[1:]:
-            if isinstance(layer, batch_norm):
+            if isinstance(layer, AccumBatchNorm):
                 layer.follow_model(self._accumulator, steps, link=follow)
 
     def _settings(self, saved: bool = True, serialize=None) -> dict:

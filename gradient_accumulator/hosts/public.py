@@ -193,9 +193,9 @@ _OPTIMIZERS = {
 }
 
 
-def accumulate(flavour: Flavour, module: str) -> Callable:
-    """``module``'s ``accumulate`` for ``flavour``'s Keras: the model
-    wrapper's settings, by keyword."""
+def accumulate(flavour: Flavour, module: str, wrapper: type) -> Callable:
+    """``module``'s ``accumulate`` for ``flavour``'s Keras, whose
+    ``GradientAccumulateModel`` is ``wrapper``: its settings, by keyword."""
 
     def accumulate(
         model: Model,
@@ -227,25 +227,32 @@ def accumulate(flavour: Flavour, module: str) -> Callable:
                 loss_denominator=loss_denominator,
             )
 
-        return in_place.start(flavour, model, settings)
+        return in_place.start(flavour, wrapper, model, settings)
 
     return _public(accumulate, flavour, module, _ACCUMULATE_DOC, "")
 
 
-def replace_batchnorm_layers(flavour: Flavour, module: str) -> Callable:
-    """``module``'s ``replace_batchnorm_layers`` for ``flavour``'s Keras."""
+def replace_batchnorm_layers(
+    flavour: Flavour, module: str, accum_batch_norm: type, wrapper: type
+) -> Callable:
+    """``module``'s ``replace_batchnorm_layers`` for ``flavour``'s Keras,
+    whose ``AccumBatchNormalization`` and ``GradientAccumulateModel`` are
+    ``accum_batch_norm`` and ``wrapper``."""
 
     def replace_batchnorm_layers(
         model: Model, accum_steps: int | None = None, position: str = "replace"
     ) -> Model:
-        return replace_layers.replace(flavour, model, accum_steps, position)
+        return replace_layers.replace(
+            flavour, accum_batch_norm, wrapper, model, accum_steps, position
+        )
 
     unsupported = ", ".join(f"``{o}``" for o in flavour.batch_norm_unsupported)
     return _public(replace_batchnorm_layers, flavour, module, _REPLACE_DOC, unsupported)
 
 
-def verify(flavour: Flavour, module: str) -> Callable:
-    """``module``'s ``verify`` for ``flavour``'s Keras."""
+def verify(flavour: Flavour, module: str, wrapper: type) -> Callable:
+    """``module``'s ``verify`` for ``flavour``'s Keras, whose
+    ``GradientAccumulateModel`` is ``wrapper``."""
 
     def verify(
         model_fn: Callable[[], Model],
@@ -272,7 +279,7 @@ def verify(flavour: Flavour, module: str) -> Callable:
             seed=seed,
             callbacks=callbacks,
         )
-        return equivalence.run(flavour, model_fn, x, y, options)
+        return equivalence.run(flavour, wrapper, model_fn, x, y, options)
 
     return _public(verify, flavour, module, _VERIFY_DOC, "")
 

@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.validation import check_accum_steps
+from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.model import ModelHost
 
 
-def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
-    """``replace_batchnorm_layers``: see the Keras 3 ``convert`` module."""
+def replace(
+    flavour: Flavour,
+    accum_batch_norm: type,
+    wrapper: type,
+    model,
+    accum_steps: int | None,
+    position: str,
+):
+    """``replace_batchnorm_layers``: see the Keras 3 ``convert`` module
+    (``accum_batch_norm``, ``wrapper``: the Keras' ``AccumBatchNormalization``
+    and ``GradientAccumulateModel``)."""
     if position != "replace":
         raise ValueError(
             f"`position` must be 'replace'. Received: position={position!r}."
@@ -33,8 +44,6 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
             "AccumBatchNormalization in its code instead."
         )
 
-    accum_batch_norm = flavour.batch_norm_layer()
-    wrapper = flavour.model_wrapper()
     pairs: list[tuple[object, object]] = []
 
     def clone_layer(layer):
@@ -48,7 +57,7 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
         return new
 
     source = model
-    if isinstance(model, wrapper):
+    if isinstance(model, ModelHost):
         # Clone the graph alone: Keras would call the model's class with
         # (inputs, outputs), which this constructor reads as accum_steps.
         source = model_class(model.inputs, model.outputs, name=model.name)
@@ -56,7 +65,7 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
     # After the whole clone: a nested Sequential without an Input builds its
     # layers only when the outer graph calls it.
     for old, new in pairs:
-        if isinstance(new, accum_batch_norm) and not isinstance(old, accum_batch_norm):
+        if isinstance(new, AccumBatchNorm) and not isinstance(old, AccumBatchNorm):
             for name in ("gamma", "beta", "moving_mean", "moving_variance"):
                 value, target = getattr(old, name), getattr(new, name)
                 if value is not None:
@@ -65,7 +74,7 @@ def replace(flavour: Flavour, model, accum_steps: int | None, position: str):
         elif old.weights:
             new.set_weights(old.get_weights())
 
-    if isinstance(model, wrapper):
+    if isinstance(model, ModelHost):
         functional = new_model
         # Its settings, and the function a config leaves out.
         settings = {**model._settings(), "skip_update_fn": model._setup.skip_update_fn}

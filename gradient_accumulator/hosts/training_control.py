@@ -11,18 +11,19 @@ from collections.abc import Callable, Mapping
 
 from gradient_accumulator.core.validation import check_accum_steps
 from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.model import ModelHost
+from gradient_accumulator.hosts.optimizer import OptimizerHost
 
 
 def accumulating(model, flavour: Flavour):
     """The object that owns ``model``'s accumulation: the model itself if it is
     a model wrapper of ``flavour``'s Keras, else its optimizer wrapper (also
     inside the ``LossScaleOptimizer`` that mixed precision adds)."""
-    if isinstance(model, flavour.model_wrapper()):
+    if isinstance(model, ModelHost):
         return model
-    optimizer_class = flavour.optimizer_wrapper()
     optimizer = getattr(model, "optimizer", None)
     while optimizer is not None:
-        if isinstance(optimizer, optimizer_class):
+        if isinstance(optimizer, OptimizerHost):
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     raise ValueError(

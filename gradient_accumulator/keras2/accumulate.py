@@ -11,8 +11,9 @@ import tf_keras
 from gradient_accumulator.hosts import in_place, public
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 from gradient_accumulator.keras2.flavour import FLAVOUR
+from gradient_accumulator.keras2.model import GradientAccumulateModel
 
-accumulate = public.accumulate(FLAVOUR, __name__)
+accumulate = public.accumulate(FLAVOUR, __name__, GradientAccumulateModel)
 
 
 @tf_keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -22,3 +23,4 @@ class Accumulating(in_place.Loader):
     saved settings."""
 
     _flavour = FLAVOUR
+    _model_wrapper = GradientAccumulateModel

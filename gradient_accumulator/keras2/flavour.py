@@ -302,21 +302,6 @@ class KerasFlavour(Flavour):
         return model.distribute_strategy.scope()
 
     # --- this Keras' public classes (their modules import this one)
-    def model_wrapper(self):
-        from gradient_accumulator.keras2.model import GradientAccumulateModel
-
-        return GradientAccumulateModel
-
-    def optimizer_wrapper(self):
-        from gradient_accumulator.keras2.optimizer import GradientAccumulateOptimizer
-
-        return GradientAccumulateOptimizer
-
-    def batch_norm_layer(self):
-        from gradient_accumulator.keras2.batch_norm import AccumBatchNormalization
-
-        return AccumBatchNormalization
-
     def other_optimizer_wrapper(self, optimizer):
         if keras_of(optimizer) != KERAS3:
             return None

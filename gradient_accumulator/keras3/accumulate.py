@@ -20,8 +20,9 @@ import keras
 from gradient_accumulator.hosts import in_place, public
 from gradient_accumulator.hosts.in_place import stop_accumulating as stop_accumulating
 from gradient_accumulator.keras3.flavour import FLAVOUR
+from gradient_accumulator.keras3.model import GradientAccumulateModel
 
-accumulate = public.accumulate(FLAVOUR, __name__)
+accumulate = public.accumulate(FLAVOUR, __name__, GradientAccumulateModel)
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -31,3 +32,4 @@ class Accumulating(in_place.Loader):
     settings (Keras then restores its weights and the pending state)."""
 
     _flavour = FLAVOUR
+    _model_wrapper = GradientAccumulateModel

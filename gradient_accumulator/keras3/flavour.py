@@ -14,6 +14,7 @@ from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 from gradient_accumulator.core.validation import check_bool
 from gradient_accumulator.hosts import loss_scale as host_loss_scale
 from gradient_accumulator.hosts.flavour import Flavour
+from gradient_accumulator.hosts.model import ModelHost
 from gradient_accumulator.keras3 import _compat as compat
 from gradient_accumulator.keras3 import loss_scale
 from gradient_accumulator.keras3._compat import (
@@ -102,7 +103,8 @@ class KerasFlavour(Flavour):
         return model.compiled
 
     def accumulated_config(self, model, own):
-        return self.model_wrapper().get_config(model)
+        # The model wrapper's config: its class's, with the settings.
+        return ModelHost.get_config(model)
 
     def clone_graph(self, model, clone_layer):
         return keras.models.clone_model(
@@ -241,21 +243,6 @@ class KerasFlavour(Flavour):
         return contextlib.nullcontext()
 
     # --- this Keras' public classes (their modules import this one)
-    def model_wrapper(self):
-        from gradient_accumulator.keras3.model import GradientAccumulateModel
-
-        return GradientAccumulateModel
-
-    def optimizer_wrapper(self):
-        from gradient_accumulator.keras3.optimizer import GradientAccumulateOptimizer
-
-        return GradientAccumulateOptimizer
-
-    def batch_norm_layer(self):
-        from gradient_accumulator.keras3.batch_norm import AccumBatchNormalization
-
-        return AccumBatchNormalization
-
     def other_optimizer_wrapper(self, optimizer):
         if keras_of(optimizer) != TF_KERAS:
             return None

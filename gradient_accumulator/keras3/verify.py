@@ -16,7 +16,8 @@ from gradient_accumulator.hosts.equivalence import (
     VerifyReport,
 )
 from gradient_accumulator.keras3.flavour import FLAVOUR
+from gradient_accumulator.keras3.model import GradientAccumulateModel
 
 __all__ = ["LayerCheck", "VariableCheck", "VerifyReport", "verify"]
 
-verify = public.verify(FLAVOUR, __name__)
+verify = public.verify(FLAVOUR, __name__, GradientAccumulateModel)

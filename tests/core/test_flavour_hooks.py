@@ -27,7 +27,7 @@ def test_a_flavour_with_every_hook_is_made():
     assert len(METHODS) > 40 and len(VALUES) > 25  # both kinds are declared
 
 
-@pytest.mark.parametrize("method", ["batch_norm_moments", "model_wrapper"])
+@pytest.mark.parametrize("method", ["batch_norm_moments", "other_optimizer_wrapper"])
 def test_a_left_out_method_is_refused_where_the_flavour_is_made(method):
     partial = _flavour_class(leave_out=method)
     assert method in partial.__abstractmethods__

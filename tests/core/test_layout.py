@@ -35,6 +35,7 @@ FLAVOUR_REPEATS = 0.10
 HOOKS = PACKAGE / "hosts" / "flavour.py"
 SHARED_LINES = (
     "_flavour = FLAVOUR",
+    "_model_wrapper = GradientAccumulateModel",
     '@keras.saving.register_keras_serializable(package="gradient_accumulator")',
 )
 
@@ -57,6 +58,16 @@ def _shared_shape(node: ast.AST, hooks: set[str]) -> bool:
     if isinstance(node, ast.Assign) and len(node.targets) == 1:
         return getattr(node.targets[0], "id", None) in hooks
     return False
+
+
+def _public_binding(node: ast.AST) -> bool:
+    """Whether ``node`` binds a public function from its factory in
+    ``hosts/public.py`` (``verify = public.verify(FLAVOUR, __name__, ...)``):
+    each Keras package has the same lines, naming its own classes."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
+        return False
+    function = node.value.func
+    return getattr(getattr(function, "value", None), "id", None) == "public"
 
 
 def _sizes(path: Path) -> list[tuple[str, str, int]]:
@@ -151,6 +162,8 @@ def _code_lines(path: Path) -> list[str]:
             skipped.update(range(node.lineno, node.end_lineno + 1))
         elif _shared_shape(node, hooks):
             skipped.add(node.lineno)  # the def or assignment line only
+        elif _public_binding(node):
+            skipped.update(range(node.lineno, node.end_lineno + 1))
     lines = []
     for number, line in enumerate(source.splitlines(), start=1):
         text = re.sub(r"#.*$", "", line).strip()
@@ -202,7 +215,15 @@ def test_the_repeat_count_skips_the_hooks_each_keras_implements(tmp_path):
         "    return model(x, training=True)\ndef helper(self, model):\n"
         "    return model\n"
     )
-    assert {"forward", "functional", "model_wrapper"} <= _hook_names()
+    assert {"forward", "functional", "other_optimizer_wrapper"} <= _hook_names()
     # The hook's def and value lines are shared shape; its body and a
     # method that is no hook are code.
     assert _repeats([ours], [theirs]) == (2, 3)
+
+
+def test_the_repeat_count_skips_the_bindings_of_public_functions(tmp_path):
+    ours, theirs = tmp_path / "a.py", tmp_path / "b.py"
+    binding = "verify = public.verify(\n    FLAVOUR, __name__, Model\n)\n"
+    ours.write_text(binding + "check = other.verify(FLAVOUR, __name__, Model)\n")
+    theirs.write_text(binding + "check = other.verify(FLAVOUR, __name__, Model)\n")
+    assert _repeats([ours], [theirs]) == (1, 1)
