@@ -27,7 +27,6 @@ from gradient_accumulator.core.validation import (
     check_engine_settings,
     check_loss_denominator,
     check_micro_batch_size,
-    take_05_keywords,
     warn_unneeded,
 )
 
@@ -84,18 +83,12 @@ SAVED = tuple(
 )
 
 
-def model_settings(
-    kwargs: dict,
-    mixed_precision: bool = False,
-    experimental_distributed_support: bool = False,
-    **fields,
-) -> Settings:
-    """The checked :class:`Settings` of a model wrapper's constructor
-    arguments (``fields``); takes 0.5.x's ``agc`` out of ``kwargs`` and
-    warns about 0.5.x arguments that are no longer needed."""
-    fields["use_agc"] = take_05_keywords(kwargs, fields.get("use_agc", False))
-    settings = Settings(**fields)
-    # The warnings name the line that built the model (two frames up).
+def warn_05_model_arguments(
+    mixed_precision: bool, experimental_distributed_support: bool
+) -> None:
+    """Warns about the model wrapper's 0.5.x arguments that are no longer
+    needed (accepted and ignored), naming the line that built the model
+    (two frames up)."""
     warn_unneeded(
         "mixed_precision",
         mixed_precision,
@@ -110,4 +103,3 @@ def model_settings(
         "tf.distribute strategies are always supported.",
         stacklevel=4,
     )
-    return settings

@@ -18,8 +18,11 @@ import tensorflow as tf
 
 from gradient_accumulator.core.links import Binding
 from gradient_accumulator.core.saved_state import weight_names
-from gradient_accumulator.core.settings import SAVED, Settings, model_settings
-from gradient_accumulator.core.validation import check_single_accumulation
+from gradient_accumulator.core.settings import SAVED, Settings, warn_05_model_arguments
+from gradient_accumulator.core.validation import (
+    check_single_accumulation,
+    take_05_keywords,
+)
 from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 from gradient_accumulator.hosts.flavour import Flavour
@@ -68,26 +71,19 @@ class ModelHost:
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
         check_in_step(self._flavour, _NAME, micro_batch_size)
-        settings = model_settings(
-            kwargs,
-            mixed_precision,
-            experimental_distributed_support,
-            **restored(
-                self._flavour,
-                {
-                    "accum_steps": accum_steps,
-                    "use_agc": use_agc,
-                    "clip_factor": clip_factor,
-                    "eps": eps,
-                    "micro_batch_size": micro_batch_size,
-                    "partial_cycle": partial_cycle,
-                    "flush_at_end": flush_at_end,
-                    "progress_logs": progress_logs,
-                    "skip_update_fn": skip_update_fn,
-                    "loss_denominator": loss_denominator,
-                },
-            ),
+        settings = Settings(
+            accum_steps=accum_steps,
+            use_agc=take_05_keywords(kwargs, use_agc),
+            clip_factor=clip_factor,
+            eps=eps,
+            micro_batch_size=micro_batch_size,
+            partial_cycle=partial_cycle,
+            flush_at_end=flush_at_end,
+            progress_logs=progress_logs,
+            skip_update_fn=skip_update_fn,
+            loss_denominator=loss_denominator,
         )
+        warn_05_model_arguments(mixed_precision, experimental_distributed_support)
         if self._flavour.functional_arguments(args, kwargs):
             # Before Keras sees them (see hosts/functional_variants.py).
             self.__class__ = functional_variant(
