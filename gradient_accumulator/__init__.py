@@ -27,8 +27,8 @@ from gradient_accumulator._version import __version__ as __version__
 # modules and names), less the one each alone has, and the 0.5.x clipping
 # functions (Keras-free, from ``agc``). Written out, not read from the
 # packages' ``__all__``: the project's own programs list them without loading
-# Keras. Every name must resolve (tests/keras3/test_quiet_start.py); a name
-# a package adds to its ``__all__`` must be added here by hand.
+# Keras. Every name must resolve (tests/keras3/test_quiet_start.py), and the
+# lists must equal each package's ``__all__`` (tests/both/test_namespace.py).
 _SHARED = (
     "AccumBatchNormalization",
     "AccumulationScheduler",

@@ -40,3 +40,18 @@ def test_the_public_names_are_this_keras_ones():
     namespace: dict = {}
     exec("from gradient_accumulator import *", namespace)
     assert public <= set(namespace), public - set(namespace)
+
+
+def test_the_root_names_are_the_package_names_of_this_keras():
+    """The root's written-out name list (kept by hand so the project's
+    programs list the names without loading Keras) is exactly this Keras'
+    package's ``__all__``, plus the 0.5.x clipping functions."""
+    if LEGACY_KERAS:
+        from gradient_accumulator import keras2 as package
+    else:
+        from gradient_accumulator import keras3 as package
+    clipping = {"adaptive_clip_grad", "compute_norm", "unitwise_norm"}
+    root = set(gradient_accumulator._exports())
+    assert root == set(package.__all__) | clipping, root ^ (
+        set(package.__all__) | clipping
+    )
