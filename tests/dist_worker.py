@@ -316,9 +316,12 @@ def _pack(prefix, arrays):
 
 def _packed(initial, reference, ours=None, **more) -> dict:
     """The arrays a case returns: the initial weights, the reference's and
-    (if given) ``ours``, then ``more`` lists by prefix."""
+    (if given) ``ours``, then ``more`` lists by prefix; nothing on a worker
+    that trained no reference (it writes nothing)."""
     from tests import utils
 
+    if reference is None:
+        return {}
     result = {**_pack("init", initial), **_pack("ref", utils.weights(reference))}
     if ours is not None:
         result.update(_pack("ours", ours))
@@ -350,7 +353,12 @@ def run_case(case, strategy, out: Path, chief: bool):
     if case == "model_denominators":  # its own model, data and reference
         return _denominators_case(case, strategy)
     x, y = _data(case)
-    reference, initial, facts = trained_reference(case, x, y)
+    if chief:
+        reference, initial, facts = trained_reference(case, x, y)
+    else:
+        # Only the chief writes (main): the other MWMS worker needs no
+        # reference, and training one would only take CPU from the chief.
+        reference, initial, facts = None, None, {}
     if case == "model_nan_one_replica":
         return _nan_case(case, strategy, x, y, initial, facts)
 
@@ -395,7 +403,7 @@ def run_case(case, strategy, out: Path, chief: bool):
     facts["jit_compile"] = bool(model.jit_compile)
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         facts["collectives"] = collective_counts(model, strategy, ds)
-    if "bn" in case:
+    if "bn" in case and chief:
         facts["moving_stats_diff"] = _moving_stats_diff(model, reference)
     return _packed(initial, reference, utils.weights(model)), facts
 
@@ -438,14 +446,20 @@ def fit_under(strategy, model, dataset, epochs=1):
 
 
 def mwms_step_function(strategy, model):
-    """A cached ``tf.function`` running one ``train_step`` on every replica."""
+    """A cached ``tf.function`` running one ``train_step`` on every replica.
+
+    Traced without AutoGraph, as Keras' own ``fit`` traces its step
+    (``one_step_on_data`` is ``do_not_convert``): ``train_step`` and the
+    package run as written, as under ``fit``, and no process spends seconds
+    converting their source.
+    """
     import tensorflow as tf
 
     if getattr(model, "_mwms_step", None) is None:
         with strategy.scope():
             model.optimizer.build(model.trainable_variables)
 
-        @tf.function(jit_compile=bool(model.jit_compile))
+        @tf.function(jit_compile=bool(model.jit_compile), autograph=False)
         def step(batch):
             strategy.run(model.train_step, args=(batch,))
 
@@ -613,7 +627,13 @@ def _resume(strategy, model, rest, facts, how: str):
 
 def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     """Saves mid-cycle under the strategy (tf.train.Checkpoint and .keras),
-    restores into a fresh strategy-scoped model and finishes the run."""
+    restores into a fresh strategy-scoped model and finishes the run.
+
+    The uninterrupted run, which the resumed ones must reach, is the saved
+    model itself going on in memory after the save (the test checks it
+    against the big batch): the same weights a separate straight run would
+    reach if ending ``fit`` mid-cycle loses nothing, and that is checked too,
+    by the same comparison. One strategy-scoped model fewer to trace."""
     import keras
     import tensorflow as tf
 
@@ -622,10 +642,6 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     ds = _dataset(x, y, GLOBAL_MICRO)
     steps = N // GLOBAL_MICRO * EPOCHS  # 16 micro-steps = 4 updates
     cut = K + K // 2 + 1  # 7: mid-way through the second cycle
-    with strategy.scope():
-        straight = build_accumulating(case)
-    fit_under(strategy, straight, ds.repeat(EPOCHS))
-
     with strategy.scope():
         first = build_accumulating(case)
     fit_under(strategy, first, ds.repeat(EPOCHS).take(cut))
@@ -649,6 +665,9 @@ def _checkpoint_case(case, strategy, x, y, out: Path, facts):
     first.save(keras_path)
 
     rest = ds.repeat(EPOCHS).skip(cut)
+    # The uninterrupted run: the saved model, on in memory.
+    straight = first
+    fit_under(strategy, straight, rest)
     resumed = {}
     with strategy.scope():
         fresh = build_accumulating(case)

@@ -1,13 +1,18 @@
-"""``AccumBatchNormalization``, in each Keras: what its arguments and its
-model refuse, and how it says so. (Its statistics per Keras:
-tests/keras3/test_batch_norm.py, tests/keras2/test_batch_norm.py.)"""
+"""``AccumBatchNormalization`` and ``replace_batchnorm_layers``, in each
+Keras: what their arguments and the layer's model refuse, and how they say
+so. (The layer's statistics per Keras: tests/keras3/test_batch_norm.py,
+tests/keras2/test_batch_norm.py.)"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from gradient_accumulator import AccumBatchNormalization, GradientAccumulateModel
+from gradient_accumulator import (
+    AccumBatchNormalization,
+    GradientAccumulateModel,
+    replace_batchnorm_layers,
+)
 from tests.flavour import LEGACY_KERAS, keras
 
 
@@ -37,6 +42,20 @@ from tests.flavour import LEGACY_KERAS, keras
 def test_argument_validation(kwargs, error, match):
     with pytest.raises(error, match=match):
         AccumBatchNormalization(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"accum_steps": 0}, ValueError, "accum_steps"),
+        ({"accum_steps": 2.0}, TypeError, "accum_steps"),
+        ({"position": "after"}, ValueError, "position"),
+    ],
+)
+def test_replace_validation(kwargs, error, match):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
+    with pytest.raises(error, match=match):
+        replace_batchnorm_layers(model, **kwargs)
 
 
 def test_explicit_accum_steps_must_match_the_model():

@@ -67,7 +67,7 @@ def test_moving_statistics_equal_tf_keras_on_the_big_batch(shape):
     assert np.abs(want[0]).min() > 1.0
 
 
-def test_mid_cycle_leaves_moving_statistics_alone():
+def test_fit_stopped_mid_cycle_leaves_moving_statistics_alone():
     x, y = _data((6,))
     model = _accumulated((6,), flush_at_end=False)
     before = _statistics(model)

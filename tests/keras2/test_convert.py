@@ -240,20 +240,6 @@ def test_a_gradient_accumulate_model_keeps_its_settings_and_compile():
     assert replace_batchnorm_layers(plain).optimizer is None
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"accum_steps": 0}, ValueError, "accum_steps"),
-        ({"accum_steps": 2.0}, TypeError, "accum_steps"),
-        ({"position": "after"}, ValueError, "position"),
-    ],
-)
-def test_replace_validation(kwargs, error, match):
-    model = tf_keras.Sequential([tf_keras.Input((3,)), layers.BatchNormalization()])
-    with pytest.raises(error, match=match):
-        replace_batchnorm_layers(model, **kwargs)
-
-
 def test_rejects_non_models_and_subclassed_models():
     with pytest.raises(TypeError, match=r"tf_keras\.Model"):
         replace_batchnorm_layers(layers.BatchNormalization(), 2)

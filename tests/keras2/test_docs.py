@@ -7,6 +7,6 @@ from tests.keras3.test_snippets import KERAS2_PAGES, python_blocks, run_page_blo
 
 
 @pytest.mark.parametrize("page", KERAS2_PAGES, ids=lambda p: p.name)
-def test_page_code_blocks_run(page, tmp_path):
+def test_tf_keras_page_code_blocks_run(page, tmp_path):
     assert [b for b in python_blocks(page) if b.not_run is None]
     run_page_blocks(page, tmp_path)

@@ -22,7 +22,7 @@ CHILD = doctest_child.script(
 MIN_EXAMPLES = 57
 
 
-def test_docstring_examples_run(tmp_path):
+def test_tf_keras_modules_docstring_examples_run(tmp_path):
     assert os.environ.get("TF_USE_LEGACY_KERAS")  # the child inherits it
     result = run_script("-c", CHILD, cwd=tmp_path)
     assert result.returncode == 0, describe(result)

@@ -73,15 +73,6 @@ def _current_learning_rate(optimizer) -> float:
 
 
 # ---------------------------------------------------------------- optimizers
-@pytest.mark.parametrize("optimizer", list(utils.OPTIMIZERS))
-def test_optimizer_matches_big_batch(optimizer):
-    """K micro-batches of B give the big batch's weights and one update per
-    cycle, for current and legacy tf-keras optimizers."""
-    x, y = utils.classification_data()
-    initial, reference, accumulated = _pair(utils.OPTIMIZERS[optimizer], x, y)
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-
-
 def test_digits_adam_matches_big_batch():
     """The same on real data: scikit-learn's 8x8 digits, 10 classes."""
     x, y = utils.digits_data()
@@ -92,106 +83,8 @@ def test_digits_adam_matches_big_batch():
     utils.assert_equivalent(initial, reference, accumulated, UPDATES)
 
 
-@pytest.mark.parametrize("schedule", list(utils.SCHEDULES))
-def test_learning_rate_schedule_advances_once_per_update(schedule):
-    """ExponentialDecay (halving each update) is evaluated at the update count:
-    same weights, ``iterations`` and current learning rate as the big batch."""
-    x, y = utils.classification_data()
-    initial, reference, accumulated = _pair(utils.SCHEDULES[schedule], x, y)
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    assert _current_learning_rate(accumulated.optimizer) == pytest.approx(
-        _current_learning_rate(reference.optimizer), rel=1e-6
-    )
-
-
-@pytest.mark.parametrize("clip", list(utils.CLIPPING))
-def test_clipping_acts_on_accumulated_gradient(clip):
-    """clipnorm / global_clipnorm / clipvalue on the optimizer clip the
-    accumulated gradient once per update, as the big batch's own."""
-    x, y = utils.classification_data()
-    initial, reference, accumulated = _pair(utils.CLIPPING[clip], x, y)
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    utils.assert_acted(utils.CLIPPING[clip], reference, "clipping did not act")
-
-
-@pytest.mark.parametrize("ema", list(utils.EMA))
-def test_ema_weights_match_big_batch(ema):
-    """use_ema=True: the average advances once per update, and fit ends with
-    the EMA weights swapped in, as plain tf-keras does."""
-    x, y = utils.classification_data()
-    initial, reference, accumulated = _pair(utils.EMA[ema], x, y)
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    utils.assert_acted(utils.EMA[ema], reference, "EMA did not change the outcome")
-
-
 # ------------------------------------------------------------ exact weighting
-def test_sample_weight_matches_big_batch():
-    """Per-sample weights (0.1 to 3) passed to fit give the big batch's weights."""
-    x, y = utils.classification_data()
-    sample_weight = np.random.default_rng(3).uniform(0.1, 3.0, N).astype("float32")
-    momentum = lambda: tf_keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
-    initial, reference, accumulated = _pair(momentum, x, y, sample_weight=sample_weight)
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-    _, unweighted = utils.big_batch(momentum, x, y)
-    gap = utils.report(
-        utils.max_abs_diff(utils.weights(unweighted), utils.weights(reference)),
-        "non-vacuity gap",
-    )
-    assert gap > 1e-3, f"sample weights did not matter ({gap:.3g})"
-
-
 LENGTHS = utils.PADDED_LENGTHS
-
-
-@pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+sample_weight"])
-def test_masked_sequences_match_big_batch(weighted):
-    """Embedding(mask_zero=True) -> per-timestep Dense, sparse cross-entropy on
-    padded sequences with different padding per micro-batch: the big batch
-    divides by its total unmasked tokens, and so must accumulation."""
-    x, y = utils.padded_sequences(LENGTHS)
-    model = utils.seeded(lambda: utils.plain_model(utils.sequence_layers))
-    assert getattr(model(x[:2]), "_keras_mask", None) is not None, "mask lost"
-    sample_weight = (
-        np.random.default_rng(4).uniform(0.2, 2.0, len(x)).astype("float32")
-        if weighted
-        else None
-    )
-    momentum = lambda: tf_keras.optimizers.SGD(0.5, momentum=0.9)  # noqa: E731
-    initial, reference, accumulated = _pair(
-        momentum, x, y, layers=utils.sequence_layers, sample_weight=sample_weight
-    )
-    utils.assert_equivalent(initial, reference, accumulated, UPDATES)
-
-
-def test_masked_weighting_differs_from_naive_mean():
-    """Premise and non-vacuity of the masked tests: tf-keras' loss on the big
-    batch is the sum over unmasked tokens divided by their number; one
-    accumulated SGD step equals the big batch's and is far from the step the
-    equal-weight mean of the micro-batch gradients would take."""
-    x, y = utils.padded_sequences(LENGTHS[: B * K])  # one cycle: 10 ... 78 tokens
-    model = utils.seeded(lambda: utils.plain_model(utils.sequence_layers))
-    model.compile(optimizer="sgd", loss=utils.sparse_ce())
-    logits = model(x)
-    per_token = tf_keras.losses.sparse_categorical_crossentropy(
-        y, logits, from_logits=True
-    ).numpy()
-    mask = x != 0
-    expected = per_token[mask].sum() / mask.sum()
-    assert float(model.compute_loss(x, tf.constant(y), logits)) == pytest.approx(
-        expected, 1e-5
-    )
-
-    lr = 1.0
-    sgd = lambda: tf_keras.optimizers.SGD(lr)  # noqa: E731
-    initial, reference, accumulated = _pair(
-        sgd, x, y, layers=utils.sequence_layers, epochs=1
-    )
-    utils.assert_equivalent(initial, reference, accumulated, 1)
-    naive = utils.naive_sgd_step(utils.sequence_layers, x, y, lr, B)
-    gap = utils.report(
-        utils.max_abs_diff(naive, utils.weights(reference)), "non-vacuity gap"
-    )
-    assert gap > 100 * utils.ATOL, f"naive mean is only {gap:.3g} off"
 
 
 @pytest.mark.parametrize(

@@ -390,19 +390,6 @@ def test_legacy_call_form_and_keras_config():
     assert restored.momentum == 0.9 and restored.accum_steps is None
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, match",
-    [
-        ({"accum_steps": 0}, ValueError, "accum_steps"),
-        ({"position": "after"}, ValueError, "position"),
-    ],
-)
-def test_replace_validation(kwargs, error, match):
-    model = keras.Sequential([keras.Input((3,)), keras.layers.BatchNormalization()])
-    with pytest.raises(error, match=match):
-        replace_batchnorm_layers(model, **kwargs)
-
-
 def test_replace_rejects_non_models_and_subclassed_models():
     with pytest.raises(TypeError, match=r"keras\.Model"):
         replace_batchnorm_layers(keras.layers.BatchNormalization(), 2)

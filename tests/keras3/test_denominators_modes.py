@@ -66,7 +66,7 @@ def _has_a_part(model) -> None:
 
 
 # ---------------------------------------------------------------------- XLA
-def test_jit_compile_matches_big_batch():
+def test_loss_parts_under_jit_compile_match_big_batch():
     """jit_compile=True: XLA compiles the train step with its extra backward
     pass and the part's sums. Keras refuses XLA under op determinism, so it
     is off for this test (and restored after)."""

@@ -120,7 +120,8 @@ def test_mirrored_mid_cycle_checkpoint_resumes_exactly(mirrored, case):
     """A tf.train.Checkpoint and a .keras file saved 3 micro-steps into a
     cycle under MirroredStrategy keep both replicas' partial sums: restored
     into a fresh strategy-scoped model, training continues to the weights of
-    the uninterrupted run; the checkpoint also resumes on a single device."""
+    the uninterrupted run (the saved model going on in memory, which matches
+    the big batch); the checkpoint also resumes on a single device."""
     weights, facts = dist_utils.load(mirrored, case)
     utils.assert_trained(weights["init"], weights["ours"])
     utils.assert_same_weights(weights["ours"], weights["ref"])

@@ -154,7 +154,7 @@ def _padded_sequences(n: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("weighted", [False, True], ids=["mask", "mask+weights"])
-def test_masked_sequences_match_big_batch(weighted):
+def test_in_step_slices_of_masked_sequences_match_big_batch(weighted):
     """Padded sequences (Embedding mask_zero=True, per-token loss), batches of
     30 cut into 8+8+8+6: slices are weighted by their unmasked tokens (and
     per-token sample weights), not by their sizes."""
@@ -250,7 +250,7 @@ def test_subclassed_model_built_inside_the_loop_matches_big_batch():
 
 
 # ------------------------------------------------------------------- XLA
-def test_jit_compile_matches_big_batch():
+def test_in_step_slices_under_jit_compile_match_big_batch():
     """jit_compile=True: XLA compiles the slice loop (static slice shapes)
     and the remainder; op determinism is off, as Keras refuses XLA with it."""
     n = 70  # batches 32, 32, 6: full slices, and a batch shorter than one

@@ -11,8 +11,6 @@ micro-batches (the naive mean) would have given measurably different weights.
 
 from __future__ import annotations
 
-import functools
-
 import keras
 import numpy as np
 import pytest
@@ -27,100 +25,10 @@ EPOCHS = 2
 PAIR = {"batch_size": B, "accum_steps": K}
 
 
-# ----------------------------------------------------------- sample weights
-def test_sample_weight_matches_big_batch():
-    """Random positive sample weights passed to fit give the big batch's
-    weights (and the weights do matter for the outcome)."""
-    n = 64
-    x, y = utils.classification_data(n)
-    sample_weight = np.random.default_rng(3).uniform(0.1, 3.0, n).astype("float32")
-    # SGD with momentum is linear in the gradient, so the weight difference
-    # measures the weighting itself; Adam (covered in test_model_equivalence)
-    # divides by |g| and amplifies float32 rounding of near-zero gradient
-    # entries (4e-6 on one kernel entry here, still within ATOL).
-    momentum = lambda: keras.optimizers.SGD(0.1, momentum=0.9)  # noqa: E731
-    initial, reference, accumulated = utils.train_pair(
-        utils.mlp_layers,
-        momentum,
-        x,
-        y,
-        **PAIR,
-        epochs=EPOCHS,
-        sample_weight=sample_weight,
-    )
-    utils.assert_equivalent(initial, reference, accumulated, EPOCHS * n // (B * K))
-
-    # Non-vacuity: without the sample weights the big batch trains otherwise.
-    unweighted = utils.seeded(utils.plain_model)
-    unweighted.compile(optimizer=momentum(), loss=utils.sparse_ce())
-    utils.fit(unweighted, x, y, B * K, epochs=EPOCHS)
-    change = utils.max_abs_diff(utils.weights(unweighted), utils.weights(reference))
-    assert change > 1e-3
-
-
-# --------------------------------------------------------- masked sequences
-_CYCLE, LENGTHS = utils.PADDED_CYCLE, utils.PADDED_LENGTHS
-
-
-@pytest.mark.parametrize(
-    ("kind", "weighted"),
-    [
-        ("gru", False),
-        ("lstm", False),
-        ("timedistributed", False),
-        ("gru", True),
-    ],
-    ids=["gru", "lstm", "timedistributed", "gru-sample_weight"],
-)
-def test_masked_sequences_match_big_batch(kind, weighted):
-    """Padded sequences with very different numbers of real tokens per
-    micro-batch (Embedding mask_zero=True, per-token loss) give the big
-    batch's weights: micro-batches are weighted by their unmasked tokens."""
-    layers = functools.partial(utils.sequence_layers, kind)
-    x, y = utils.padded_sequences(LENGTHS)
-    model = utils.seeded(lambda: utils.plain_model(layers))
-    assert getattr(model(x[:2]), "_keras_mask", None) is not None, "mask lost"
-    # Per-token weights: Keras 3.15 cannot broadcast per-sample weights of
-    # shape (n,) against a (n, T) mask, even for plain big-batch training.
-    sample_weight = (
-        np.random.default_rng(4).uniform(0.2, 2.0, x.shape).astype("float32")
-        if weighted
-        else None
-    )
-    momentum = lambda: keras.optimizers.SGD(0.5, momentum=0.9)  # noqa: E731
-    initial, reference, accumulated = utils.train_pair(
-        layers, momentum, x, y, **PAIR, epochs=EPOCHS, sample_weight=sample_weight
-    )
-    utils.assert_equivalent(initial, reference, accumulated, EPOCHS * len(x) // (B * K))
-
-
-def test_masked_weighting_differs_from_naive_mean():
-    """On the masked data one accumulated SGD step equals the big batch's and
-    is far from the step an equal-weight mean of micro-batch gradients would
-    take, so the masked tests can tell exact from naive accumulation."""
-    layers = utils.sequence_layers
-    x, y = utils.padded_sequences(LENGTHS[: B * K])  # one cycle: 10 ... 78 tokens
-    lr = 1.0
-    sgd = lambda: keras.optimizers.SGD(lr)  # noqa: E731
-    initial, reference, accumulated = utils.train_pair(
-        layers, sgd, x, y, **PAIR, epochs=1
-    )
-    utils.assert_equivalent(initial, reference, accumulated, 1)
-
-    naive = utils.naive_sgd_step(layers, x, y, lr, B)
-    gap = utils.max_abs_diff(naive, utils.weights(reference))
-    assert gap > 100 * utils.ATOL, f"naive mean is only {gap:.3g} off"
-    assert utils.max_abs_diff(naive, utils.weights(accumulated)) > 100 * utils.ATOL
-
-    # The brief's simple sanity check: the big batch is not the same as
-    # plain Keras on the micro-batches (the data is not trivially symmetric).
-    small = utils.seeded(lambda: utils.plain_model(layers))
-    small.compile(optimizer=sgd(), loss=utils.sparse_ce())
-    utils.fit(small, x, y, B)
-    assert utils.max_abs_diff(utils.weights(small), utils.weights(reference)) > 1e-3
-
-
 # -------------------------------------------------- short last micro-batch
+# (Sample weights and masked sequences of equal-length batches, in both
+# Kerases: tests/both/test_weighting.py.)
+_CYCLE = utils.PADDED_CYCLE
 SHORT_N = 28  # micro-batches of 8, 8, 8 and 4: one cycle = one batch of 28
 
 
