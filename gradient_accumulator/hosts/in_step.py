@@ -32,7 +32,7 @@ def in_step_train_step(model, data):
     """
     flavour = model._flavour
     accumulator = model._accumulator
-    size = model._setup.micro_batch_size
+    size = model._accumulation_settings.micro_batch_size
     x, y, sample_weight = flavour.keras.utils.unpack_x_y_sample_weight(data)
     batch = batch_size(x)
     full = batch // size

@@ -20,7 +20,7 @@ from gradient_accumulator.core.weighting import at, denominators
 from gradient_accumulator.hosts import loss_scale
 
 
-class Micro(NamedTuple):
+class MicroBatchPass(NamedTuple):
     """What one micro-batch's forward and backward pass produced."""
 
     grads: list
@@ -40,7 +40,7 @@ class Micro(NamedTuple):
 
 def micro_batch_pass(
     model, x, y, sample_weight, opens_step=None, step_samples=None
-) -> Micro:
+) -> MicroBatchPass:
     """Forward pass, loss, weight and gradients of one micro-batch of
     ``model`` (a ``ModelHost``). ``opens_step``: for an in-step slice,
     whether it is its step's first (a bool tensor, see :func:`groups_of`);
@@ -100,7 +100,7 @@ def micro_batch_pass(
         unscale=plan.unscale,
         retry_scale=plan.retry_scale,
     )
-    return Micro(
+    return MicroBatchPass(
         grads=found.grads,
         variables=variables,
         y_pred=y_pred,
@@ -153,7 +153,7 @@ def groups_of(model, data, y_pred, opens_step=None):
     flavour = model._flavour
     x, y, sample_weight = data
     terms = flavour.loss_terms(model)
-    declared = model._setup.loss_denominator
+    declared = model._accumulation_settings.loss_denominator
     if terms and declared is not None:
         raise ValueError(
             f"`loss_denominator={declared!r}` declares what a model's own "

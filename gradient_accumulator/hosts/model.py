@@ -29,7 +29,7 @@ from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.functional_variants import functional_variant
 from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import (
-    Micro,
+    MicroBatchPass,
     computes_own_loss,
     micro_batch_pass,
 )
@@ -115,14 +115,14 @@ class ModelHost:
         self._flavour.untracked(self, lambda: self._hold_state(settings))
 
     def _hold_state(self, settings: Settings) -> None:
-        self._setup = settings
+        self._accumulation_settings = settings
         self._accumulator = accumulator = self._flavour.engine(
             settings, name="accumulator"
         )
         self._flavour.own_state(self, "_accumulator", accumulator)
         # Whether the traced step is Keras' own (see _plan_step); None until
         # a train function is made for this compile().
-        self._plain: bool | None = None
+        self._runs_keras_step: bool | None = None
         accumulator.bind(
             Binding(
                 variables=lambda: self.trainable_variables,
@@ -147,7 +147,13 @@ class ModelHost:
 
     def _release_state(self) -> None:
         self._flavour.disown_state(self, "_accumulator")
-        names = ("_setup", "_accumulator", "_plain", "_end_of_fit", "_warned_own_loss")
+        names = (
+            "_accumulation_settings",
+            "_accumulator",
+            "_runs_keras_step",
+            "_end_of_fit",
+            "_warned_own_loss",
+        )
         for name in names:
             if name in vars(self):
                 delattr(self, name)
@@ -160,11 +166,11 @@ class ModelHost:
 
     @property
     def _partial_cycle(self) -> str:
-        return self._setup.partial_cycle
+        return self._accumulation_settings.partial_cycle
 
     @property
     def _flush_at_end(self) -> bool:
-        return self._setup.flush_at_end
+        return self._accumulation_settings.flush_at_end
 
     def set_accum_steps(self, accum_steps: int) -> None:
         """Changes ``accum_steps`` from the next cycle boundary on.
@@ -173,7 +179,7 @@ class ModelHost:
         partial sums never mix two cycle lengths. See
         :class:`~gradient_accumulator.AccumulationScheduler`.
         """
-        if self._accumulator.set_accum_steps(accum_steps) and self._plain:
+        if self._accumulator.set_accum_steps(accum_steps) and self._runs_keras_step:
             # The traced step is Keras' own, which knows nothing of cycles.
             self.make_train_function(force=True)
 
@@ -226,7 +232,7 @@ class ModelHost:
         # Nothing traced for the last compile (flush functions, the plan)
         # survives it; the state follows the trainable variables of now.
         self._accumulator.unwire()
-        self._plain = None
+        self._runs_keras_step = None
         self._sync_state()
 
     def compile_from_config(self, config):
@@ -270,16 +276,19 @@ class ModelHost:
         """Decides, from the state as it is now, whether the step to trace is
         Keras' own (``accum_steps`` 1, nothing to do per cycle), and links
         the BatchNormalization layers to the cycle if it is not."""
-        self._plain = self._setup.micro_batch_size is None and self._accumulator.plain()
-        self._link_batch_norm(follow=not self._plain)
-        if not self._plain:
+        self._runs_keras_step = (
+            self._accumulation_settings.micro_batch_size is None
+            and self._accumulator.plain()
+        )
+        self._link_batch_norm(follow=not self._runs_keras_step)
+        if not self._runs_keras_step:
             self._warn_undeclared_loss()
 
     def _warn_undeclared_loss(self) -> None:
         """Warns once when the model computes its loss itself (no compiled
         loss) without saying what that loss divides a batch by."""
         if (
-            self._setup.loss_denominator is not None
+            self._accumulation_settings.loss_denominator is not None
             or getattr(self, "loss", None)
             or not computes_own_loss(self)
             or getattr(self, "_warned_own_loss", False)
@@ -313,7 +322,7 @@ class ModelHost:
         """The constructor arguments that reproduce this model's accumulation
         (``saved``: those a config holds, without ``skip_update_fn``;
         ``serialize``: see ``Settings.saved``)."""
-        setup = self._setup
+        setup = self._accumulation_settings
         settings = setup.saved(serialize) if saved else dataclasses.asdict(setup)
         if not self._flavour.in_step:
             settings.pop("micro_batch_size")  # not an argument here
@@ -369,20 +378,20 @@ class ModelHost:
         """Replaces the settings this model was built with by ``settings``
         (those of a saved or cloned model; the others stay), before it has
         traced a step: a fresh state for them, as construction gives."""
-        taken = dataclasses.replace(self._setup, **settings)
-        if taken != self._setup:
+        taken = dataclasses.replace(self._accumulation_settings, **settings)
+        if taken != self._accumulation_settings:
             # Not _stop_accumulating: no layer follows this state yet.
             self._flavour.untracked(self, self._release_state)
             self._start_accumulating(taken)
 
     # ---------------------------------------------------------------- training
     def train_step(self, data):
-        if self._plain is None:
+        if self._runs_keras_step is None:
             # Called outside fit (a custom loop): plan as fit would.
             self._plan_step()
-        if self._setup.micro_batch_size is not None:
+        if self._accumulation_settings.micro_batch_size is not None:
             return self._in_step_train_step(data)
-        if self._plain:
+        if self._runs_keras_step:
             return super().train_step(data)
         accumulator = self._accumulator
         unpack = self._flavour.keras.utils.unpack_x_y_sample_weight
@@ -414,17 +423,17 @@ class ModelHost:
 
     def _micro_batch_pass(
         self, x, y, sample_weight, opens_step=None, step_samples=None
-    ) -> Micro:
+    ) -> MicroBatchPass:
         """Forward pass, loss, weight and gradients of one micro-batch (see
         ``hosts.micro_batch.micro_batch_pass``)."""
         return micro_batch_pass(self, x, y, sample_weight, opens_step, step_samples)
 
-    def _add_parts(self, micro: Micro) -> None:
+    def _add_parts(self, micro: MicroBatchPass) -> None:
         for index, (grads, weight, count) in enumerate(micro.parts, start=1):
             self._accumulator.add_part(index, grads, micro.variables, weight, count)
 
     def _with_progress(self, logs: dict) -> dict:
-        if not self._setup.progress_logs:
+        if not self._accumulation_settings.progress_logs:
             return logs
         return {**logs, **self._accumulator.logs()}
 

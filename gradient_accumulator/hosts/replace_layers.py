@@ -77,7 +77,10 @@ def replace(
     if isinstance(model, ModelHost):
         functional = new_model
         # Its settings, and the function a config leaves out.
-        settings = {**model._settings(), "skip_update_fn": model._setup.skip_update_fn}
+        settings = {
+            **model._settings(),
+            "skip_update_fn": model._accumulation_settings.skip_update_fn,
+        }
         new_model = wrapper(
             **settings,
             inputs=functional.inputs,

@@ -143,7 +143,9 @@ class KerasFlavour(Flavour):
 
     def accumulated_config(self, model, own):
         # Its own class's config, with the settings the model wrapper saves.
-        saved = model._setup.saved(tf_keras.saving.serialize_keras_object)
+        saved = model._accumulation_settings.saved(
+            tf_keras.saving.serialize_keras_object
+        )
         settings = {k: v for k, v in saved.items() if k in SETTINGS}
         return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
 

@@ -106,7 +106,7 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
     @property
     def micro_batch_size(self) -> int | None:
         """Samples per in-step slice, or None (each batch is one micro-batch)."""
-        return self._setup.micro_batch_size
+        return self._accumulation_settings.micro_batch_size
 
     def _before_graph_run(self) -> None:
         # keras.models.clone_model runs the source's graph on new inputs and

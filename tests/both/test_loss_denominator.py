@@ -433,7 +433,7 @@ def test_keras_file_round_trips_the_setting(name, tmp_path):
     model.save(tmp_path / "own.keras")
     loaded = keras.models.load_model(tmp_path / "own.keras")
     assert isinstance(loaded, cls) and isinstance(loaded, GradientAccumulateModel)
-    assert loaded._setup.loss_denominator == declared
+    assert loaded._accumulation_settings.loss_denominator == declared
     assert loaded._accumulator.pending == 1
     utils.fit(loaded, x[B * K + B :], y[B * K + B :], B)
     gap = utils.assert_same_weights(utils.weights(loaded), _reference(name)[1])
@@ -445,4 +445,4 @@ def test_keras_file_round_trips_the_setting(name, tmp_path):
     )
     wrapper.save(tmp_path / "wrapper.keras")
     loaded = keras.models.load_model(tmp_path / "wrapper.keras")
-    assert loaded._setup.loss_denominator == declared
+    assert loaded._accumulation_settings.loss_denominator == declared
