@@ -25,6 +25,7 @@ from gradient_accumulator.core.validation import (
     check_bool,
     check_choice,
     check_engine_settings,
+    check_gradient_cache,
     check_loss_denominator,
     check_micro_batch_size,
     warn_unneeded,
@@ -43,6 +44,9 @@ class Settings:
     clip_factor: float = CLIP_FACTOR
     eps: float = EPS
     micro_batch_size: int | None = None
+    # In-step slices run twice, the loss once on the whole batch's outputs
+    # (core/gradient_cache.py): exact for losses that couple the batch.
+    gradient_cache: bool = False
     # "auto": each epoch that is a pass over the data ends its last cycle
     # short, as plain Keras' last batch; epochs cut from a stream by
     # steps_per_epoch carry it on (hosts/partial_cycles.py).
@@ -62,6 +66,7 @@ class Settings:
         )
         set_checked("accum_steps", check_accum_steps(self.accum_steps))
         set_checked("micro_batch_size", check_micro_batch_size(self.micro_batch_size))
+        check_gradient_cache(self.gradient_cache, self.micro_batch_size)
         check_choice("partial_cycle", self.partial_cycle, PARTIAL_CYCLE)
         check_bool("flush_at_end", self.flush_at_end)
         check_bool("progress_logs", self.progress_logs)

@@ -154,6 +154,20 @@ def check_micro_batch_size(micro_batch_size) -> int | None:
     return int(micro_batch_size)
 
 
+def check_gradient_cache(gradient_cache, micro_batch_size) -> None:
+    """Raises unless ``gradient_cache`` is a bool, True only with the
+    ``micro_batch_size`` whose slices it caches."""
+    check_bool("gradient_cache", gradient_cache)
+    if gradient_cache and micro_batch_size is None:
+        raise ValueError(
+            "`gradient_cache=True` runs each fit batch in slices of "
+            "`micro_batch_size` samples and computes the loss once on the whole "
+            "batch's outputs, but micro_batch_size is None. Set "
+            "micro_batch_size to the slice size (an integer >= 1), or leave "
+            "gradient_cache=False."
+        )
+
+
 CLIP_ARGS = ("clipnorm", "clipvalue", "global_clipnorm")
 
 

@@ -175,6 +175,19 @@ class Flavour(abc.ABC):
         """Whether ``layer`` draws random numbers when called."""
 
     @abc.abstractmethod
+    def random_states(self, model) -> list | None:
+        """The variables holding the state of the random draws of
+        ``model``'s layers, which a second forward pass resets to draw the
+        same numbers again (``gradient_cache``); None when this Keras draws
+        from a state it cannot reset."""
+
+    @abc.abstractmethod
+    def call_losses(self, model) -> list:
+        """The losses ``model``'s layers added in its last call
+        (``add_loss``, activity regularisers), without the weights'
+        regularisation penalties."""
+
+    @abc.abstractmethod
     def variable_name(self, variable) -> str:
         """A variable's name in its layer."""
 

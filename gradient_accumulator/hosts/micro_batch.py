@@ -18,6 +18,7 @@ from gradient_accumulator.core.split_gradients import (
 )
 from gradient_accumulator.core.weighting import at, denominators
 from gradient_accumulator.hosts import loss_scale
+from gradient_accumulator.hosts.gradient_cache import cached_forward
 
 
 class MicroBatchPass(NamedTuple):
@@ -46,25 +47,26 @@ def micro_batch_pass(
     whether it is its step's first (a bool tensor, see :func:`groups_of`);
     ``step_samples``: for a slice, the samples of its whole step."""
     flavour = model._flavour
-    accumulator = model._accumulator
     # Several denominators take more than one backward pass of the tape
     # (the loss terms are known once the first compute_loss built them),
     # and so may an overflow under a loss scale (the plan's retry_scale).
+    # The whole batch's outputs from slices, the loss on them (one forward
+    # pass, before the tape), the weights' gradients from slices again.
+    cache = None
+    if model._accumulation_settings.gradient_cache:
+        cache = cached_forward(model, x)
     persistent = (
-        loss_scale.scaler_of(flavour, model.optimizer) is not None
+        cache is not None
+        or loss_scale.scaler_of(flavour, model.optimizer) is not None
         or len(flavour.loss_terms(model)) != 1
     )
     with tf.GradientTape(persistent=persistent) as tape:
-        y_pred = flavour.forward(model, x)
-        if not accumulator.built:
-            # A subclassed model creates its variables in the forward pass.
-            with tf.init_scope(), flavour.state_scope(model):
-                accumulator.build(model.trainable_variables)
-        if flavour.builds_optimizer and not model.optimizer.built:
-            # Without a strategy Keras builds the optimizer at its first
-            # apply, but the loss scale is read (below) before that.
-            with tf.init_scope():
-                model.optimizer.build(model.trainable_variables)
+        if cache is None:
+            y_pred = flavour.forward(model, x)
+        else:
+            y_pred = cache.outputs
+            tape.watch(tf.nest.flatten(y_pred))
+        _build_state(model)
         outputs = y_pred if flavour.guards_empty_masks else _dividable(y_pred)
         loss = flavour.compute_loss(model, x, y, outputs, sample_weight)
         own = not flavour.loss_terms(model)
@@ -92,7 +94,7 @@ def micro_batch_pass(
     else:
         outputs = ()
     found = split_gradients(
-        tape,
+        tape if cache is None else cache.tape(tape),
         objective,
         variables,
         groups,
@@ -113,6 +115,21 @@ def micro_batch_pass(
         parts=found.parts,
         overflowed=found.overflowed,
     )
+
+
+def _build_state(model) -> None:
+    """Builds the engine's and the optimizer's variables the first time a
+    step is traced (a subclassed model creates its variables in the forward
+    pass, just before)."""
+    flavour = model._flavour
+    if not model._accumulator.built:
+        with tf.init_scope(), flavour.state_scope(model):
+            model._accumulator.build(model.trainable_variables)
+    if flavour.builds_optimizer and not model.optimizer.built:
+        # Without a strategy Keras builds the optimizer at its first
+        # apply, but the loss scale is read (below) before that.
+        with tf.init_scope():
+            model.optimizer.build(model.trainable_variables)
 
 
 def computes_own_loss(model) -> bool:

@@ -58,6 +58,7 @@ class ModelHost:
         eps: float = Settings.eps,
         experimental_distributed_support: bool = False,
         micro_batch_size: int | None = Settings.micro_batch_size,
+        gradient_cache: bool = Settings.gradient_cache,
         partial_cycle: str = Settings.partial_cycle,
         flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,
@@ -70,13 +71,14 @@ class ModelHost:
             # Keras' functional code may pass (inputs, outputs) positionally.
             args = (accum_steps, mixed_precision, *args)
             accum_steps, mixed_precision = 1, False
-        check_in_step(self._flavour, _NAME, micro_batch_size)
+        check_in_step(self._flavour, _NAME, micro_batch_size, gradient_cache)
         settings = Settings(
             accum_steps=accum_steps,
             use_agc=take_05_keywords(kwargs, use_agc),
             clip_factor=clip_factor,
             eps=eps,
             micro_batch_size=micro_batch_size,
+            gradient_cache=gradient_cache,
             partial_cycle=partial_cycle,
             flush_at_end=flush_at_end,
             progress_logs=progress_logs,
@@ -324,8 +326,6 @@ class ModelHost:
         ``serialize``: see ``Settings.saved``)."""
         setup = self._accumulation_settings
         settings = setup.saved(serialize) if saved else dataclasses.asdict(setup)
-        if not self._flavour.in_step:
-            settings.pop("micro_batch_size")  # not an argument here
         # A schedule may have changed accum_steps since construction.
         return {**settings, "accum_steps": self._accumulator.accum_steps}
 
@@ -389,7 +389,8 @@ class ModelHost:
         if self._runs_keras_step is None:
             # Called outside fit (a custom loop): plan as fit would.
             self._plan_step()
-        if self._accumulation_settings.micro_batch_size is not None:
+        setup = self._accumulation_settings
+        if setup.micro_batch_size is not None and not setup.gradient_cache:
             return self._in_step_train_step(data)
         if self._runs_keras_step:
             return super().train_step(data)
@@ -442,15 +443,19 @@ class ModelHost:
         return lambda grads: apply(flavour, self.optimizer, grads, variables)
 
 
-def check_in_step(flavour: Flavour, who: str, micro_batch_size) -> None:
-    """Refuses ``micro_batch_size`` where ``flavour``'s Keras has no in-step
-    micro-batching (tf-keras), naming what to use instead."""
-    if micro_batch_size is not None and not flavour.in_step:
+def check_in_step(
+    flavour: Flavour, who: str, micro_batch_size, gradient_cache=False
+) -> None:
+    """Refuses ``micro_batch_size`` without ``gradient_cache`` where
+    ``flavour``'s Keras has no in-step micro-batching (tf-keras), naming
+    what to use instead."""
+    if micro_batch_size is not None and not flavour.in_step and not gradient_cache:
         raise TypeError(
             f"{who} for {flavour.name} got micro_batch_size="
             f"{micro_batch_size!r}: `micro_batch_size` (in-step "
-            f"micro-batching) is not available with {flavour.name}; use "
-            "accum_steps with fit(batch_size=...) instead."
+            f"micro-batching) is not available with {flavour.name} except "
+            "with gradient_cache=True (for a loss that couples the batch); "
+            "use accum_steps with fit(batch_size=...) instead."
         )
 
 

@@ -45,6 +45,10 @@ _ACCUMULATE_DOC = """Makes ``model`` accumulate gradients, in place, keeping its
         accum_steps: micro-batches per optimizer update, an ``int >= 1``.
         micro_batch_size: ``None``, or slice each ``fit`` batch into this
             many samples inside the step (in-step micro-batching{in_step}).
+        gradient_cache: with ``micro_batch_size``, run the slices forward,
+            compute the loss once on the whole batch's outputs, then run each
+            slice again to back-propagate it: exact for losses that couple
+            the batch (in-batch negatives, contrastive, triplet).
         partial_cycle: ``"auto"`` (the big batch's epochs: flush an
             incomplete cycle at the end of a pass over the data, carry it
             across epochs cut by ``steps_per_epoch``), ``"carry"``,
@@ -202,6 +206,7 @@ def accumulate(flavour: Flavour, module: str, wrapper: type) -> Callable:
         accum_steps: int = Settings.accum_steps,
         *,
         micro_batch_size: int | None = Settings.micro_batch_size,
+        gradient_cache: bool = Settings.gradient_cache,
         partial_cycle: str = Settings.partial_cycle,
         flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], Any] | None = None,
@@ -211,12 +216,13 @@ def accumulate(flavour: Flavour, module: str, wrapper: type) -> Callable:
         eps: float = Settings.eps,
         loss_denominator: str | Callable | None = Settings.loss_denominator,
     ) -> Model:
-        check_in_step(flavour, "accumulate", micro_batch_size)
+        check_in_step(flavour, "accumulate", micro_batch_size, gradient_cache)
 
         def settings() -> Settings:
             return Settings(
                 accum_steps=accum_steps,
                 micro_batch_size=micro_batch_size,
+                gradient_cache=gradient_cache,
                 partial_cycle=partial_cycle,
                 flush_at_end=flush_at_end,
                 skip_update_fn=skip_update_fn,
@@ -294,7 +300,9 @@ def _public(
         keras=keras,
         package=module.rpartition(".")[0],
         unsupported=unsupported,
-        in_step="" if flavour.in_step else f"; not available with {keras}",
+        in_step=""
+        if flavour.in_step
+        else f"; with {keras} only with ``gradient_cache``",
         optimizers=_OPTIMIZERS.get(keras, f"a {keras} optimizer name or instance"),
     )
     # The annotations are strings (postponed); name this Keras' classes in them.

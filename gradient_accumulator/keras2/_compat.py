@@ -35,6 +35,7 @@ __all__ = [
     "Functional",
     "LossScaleOptimizerV3",
     "LossTerm",
+    "call_losses",
     "config_as",
     "draws_random",
     "functional_config",
@@ -50,6 +51,13 @@ __all__ = [
     "update_pruning_step",
     "wrapping_loss_scaler",
 ]
+
+
+def call_losses(layer) -> list:
+    """The losses ``layer`` itself added in its last call (``add_loss``,
+    its activity regulariser), without its weights' penalties (tf-keras
+    keeps those apart, as functions)."""
+    return list(layer._eager_losses or layer._losses)
 
 
 def is_compiled(model) -> bool:

@@ -3,14 +3,11 @@ from tf-keras' public API and the private names in ``keras2/_compat``."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import tensorflow as tf
 import tf_keras
 
 from gradient_accumulator._which_keras import KERAS3, TF_KERAS, keras_of
 from gradient_accumulator.core.engine import Engine
-from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.keras2 import _compat, inner_optimizers, loss_scale
 from gradient_accumulator.keras2._compat import (
@@ -20,15 +17,6 @@ from gradient_accumulator.keras2._compat import (
     draws_random,
 )
 from gradient_accumulator.keras2.tracked_engine import LayerEngine
-
-# --- accumulate()
-# The settings (besides accum_steps) a tf-keras accumulating model's config
-# holds: the model wrapper's, which has no in-step mode.
-SETTINGS = tuple(
-    f.name
-    for f in dataclasses.fields(Settings)
-    if f.name not in ("accum_steps", "micro_batch_size")
-)
 
 
 # Its first argument (the model) is the object whose tracking it turns off.
@@ -146,8 +134,7 @@ class KerasFlavour(Flavour):
         saved = model._accumulation_settings.saved(
             tf_keras.saving.serialize_keras_object
         )
-        settings = {k: v for k, v in saved.items() if k in SETTINGS}
-        return {**config_as(model, own), **settings, "accum_steps": model.accum_steps}
+        return {**config_as(model, own), **saved, "accum_steps": model.accum_steps}
 
     def clone_graph(self, model, clone_layer):
         # tf_keras.models.clone_model has no ``recursive``: it would rebuild
@@ -187,6 +174,18 @@ class KerasFlavour(Flavour):
 
     def draws_random(self, layer):
         return draws_random(layer)
+
+    def random_states(self, model):
+        # tf-keras' Dropout and noise layers draw from stateful random ops
+        # whose state no variable holds: a second pass draws anew.
+        return None
+
+    def call_losses(self, model):
+        return [
+            loss
+            for layer in self.sublayers(model)
+            for loss in _compat.call_losses(layer)
+        ]
 
     def variable_name(self, variable):
         # "dense/kernel:0" -> "kernel"

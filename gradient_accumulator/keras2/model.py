@@ -24,8 +24,10 @@ class GradientAccumulateModel(ModelHost, tf_keras.Model):
     gradient. ``optimizer.iterations``, schedules, clipping, weight decay and
     EMA advance once per update.
 
-    Args: as the Keras 3 ``GradientAccumulateModel``, without
-    ``micro_batch_size``.
+    Args: as the Keras 3 ``GradientAccumulateModel``; ``micro_batch_size``
+    only with ``gradient_cache=True`` (tf-keras has no in-step mode of its
+    own), and layers that draw random numbers are refused there (tf-keras'
+    random ops cannot be replayed in the second forward pass).
 
     Example:
 

@@ -43,6 +43,7 @@ __all__ = [
     "batch_norm_moments",
     "batch_norm_reduction_axes",
     "call_has_training_arg",
+    "call_losses",
     "clone_initializer",
     "compute_loss",
     "distributed_container",
@@ -78,6 +79,12 @@ def seed_generators(layer) -> list:
     """The seed generators ``layer`` draws its random numbers from (Keras'
     ``Dropout``, noise and random augmentation layers hold one each)."""
     return list(getattr(layer, "_seed_generators", None) or [])
+
+
+def call_losses(layer) -> list:
+    """The losses ``layer`` itself added in its last call (``add_loss``,
+    its activity regulariser), without its weights' penalties."""
+    return list(layer._losses)
 
 
 class GraphRunHook:

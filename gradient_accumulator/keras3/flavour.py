@@ -123,6 +123,15 @@ class KerasFlavour(Flavour):
     def draws_random(self, layer):
         return bool(compat.seed_generators(layer))
 
+    def random_states(self, model):
+        layers = all_layers(model)
+        return [g.state for layer in layers for g in compat.seed_generators(layer)]
+
+    def call_losses(self, model):
+        return [
+            loss for layer in all_layers(model) for loss in compat.call_losses(layer)
+        ]
+
     def variable_name(self, variable):
         return variable.path.split("/")[-1]
 

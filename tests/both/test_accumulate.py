@@ -24,6 +24,7 @@ from tests.flavour import LEGACY_KERAS, keras, utils
 _ORDER = (
     "accum_steps",
     "micro_batch_size",
+    "gradient_cache",
     "partial_cycle",
     "flush_at_end",
     "skip_update_fn",

@@ -88,6 +88,25 @@ def test_draws_random_tells_the_layers_that_draw_random_numbers():
         assert not compat.draws_random(layer), layer
 
 
+def test_call_losses_are_a_layers_call_time_losses_only():
+    """A layer's call-time losses (activity regulariser), one per call, not
+    its weights' penalties: what gradient_cache refuses."""
+    active = tf_keras.layers.Dense(
+        2, activity_regularizer=tf_keras.regularizers.L2(0.1)
+    )
+    penalised = tf_keras.layers.Dense(
+        2, kernel_regularizer=tf_keras.regularizers.L2(0.1)
+    )
+    inputs = tf_keras.Input((3,))
+    model = tf_keras.Model(inputs, penalised(active(inputs)))
+    x = np.ones((4, 3), "float32")
+    for call in (model, tf.function(model)):
+        call(x, training=True)
+        call(x, training=True)
+        assert len(compat.call_losses(active)) == 1
+        assert compat.call_losses(penalised) == []
+
+
 def test_is_compiled_tells_a_compiled_model():
     model = tf_keras.Sequential([tf_keras.Input((2,)), tf_keras.layers.Dense(1)])
     assert not compat.is_compiled(model)

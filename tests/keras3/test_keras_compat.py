@@ -523,6 +523,22 @@ def test_seed_generators():
         assert compat.seed_generators(layer) == [], _says("seed_generators", str(layer))
 
 
+def test_call_losses():
+    """A layer's call-time losses (activity regulariser), one per call, not
+    its weights' penalties: what gradient_cache refuses."""
+    active = keras.layers.Dense(2, activity_regularizer=keras.regularizers.L2(0.1))
+    penalised = keras.layers.Dense(2, kernel_regularizer=keras.regularizers.L2(0.1))
+    inputs = keras.Input((3,))
+    model = keras.Model(inputs, penalised(active(inputs)))
+    x = np.ones((4, 3), "float32")
+    for call in (model, tf.function(model)):
+        call(x, training=True)
+        call(x, training=True)
+        assert len(compat.call_losses(active)) == 1, _says("call_losses", "activity")
+        assert compat.call_losses(penalised) == [], _says("call_losses", "penalty")
+    assert len(model.losses) == 2  # what call_losses leaves out is still there
+
+
 def test_set_all_reduce():
     """inner_optimizers.py replaces, per instance, the hook through which Keras'
     TensorFlow optimizer sums gradients in ``apply``, and restores it."""

@@ -1,0 +1,180 @@
+"""Gradient caching: the exact gradient of a loss that couples a batch's
+samples (in-batch negatives, contrastive and triplet losses) with one
+slice's activations in memory at a time. Plain TensorFlow, no Keras.
+
+Gao et al. 2021 ("Scaling Deep Contrastive Learning Batch Size under Memory
+Limited Setup"): a first pass runs the model on every slice without a tape
+and keeps only the outputs (:func:`forward_slices`); the loss is computed
+once, on the whole batch's outputs, under a tape that watches them; a second
+pass runs each slice forward again under a tape and back-propagates its rows
+of the loss's output gradients into the weights (:func:`backward_slices`).
+By the chain rule the sum over slices is the whole batch's weight gradient;
+the price is one more forward pass. :class:`CachedTape` puts the two
+together behind ``tf.GradientTape.gradient``, so the code that weighs,
+splits and unscales a batch's gradients runs unchanged on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tensorflow as tf
+
+from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
+from gradient_accumulator.core.arithmetic import plus
+
+# forward(x_slice) -> the model's outputs for those rows (a structure).
+Forward = Callable[[object], object]
+
+
+def forward_slices(forward: Forward, x, size: int):
+    """``forward`` of the whole ``x``, run on its consecutive slices of
+    ``size`` rows (the last may be shorter), one at a time: the outputs
+    concatenated, Keras masks included. Run it outside any tape: only the
+    outputs are kept."""
+    n = _rows(x)
+    first = forward(_slice(x, 0, tf.minimum(size, n)))
+    flat = tf.nest.flatten(first)
+    masks = [keras_mask(t) for t in flat]
+    kept = flat + [m for m in masks if m is not None]
+
+    def body(i, arrays):
+        start = i * size
+        out = tf.nest.flatten(forward(_slice(x, start, tf.minimum(size, n - start))))
+        out += [keras_mask(t) for t, m in zip(out, masks) if m is not None]
+        return i + 1, [a.write(i, t) for a, t in zip(arrays, out)]
+
+    arrays = [
+        tf.TensorArray(
+            t.dtype,
+            size=1,
+            dynamic_size=True,
+            infer_shape=False,
+            # Slices differ in rows only (the last may be shorter).
+            element_shape=tf.TensorShape([None]).concatenate(t.shape[1:]),
+        ).write(0, t)
+        for t in kept
+    ]
+    _, arrays = tf.while_loop(
+        lambda i, _: i * size < n,
+        body,
+        (tf.constant(1, n.dtype), arrays),
+        parallel_iterations=1,
+    )
+    whole = [a.concat() for a in arrays]
+    outputs, rest = whole[: len(flat)], iter(whole[len(flat) :])
+    outputs = [
+        t if m is None else with_keras_mask(t, next(rest))
+        for t, m in zip(outputs, masks)
+    ]
+    return tf.nest.pack_sequence_as(first, outputs)
+
+
+def backward_slices(
+    forward: Forward, x, seeds: Sequence, size: int, variables: Sequence
+) -> list:
+    """The gradient with respect to ``variables`` of ``sum(outputs * seeds)``
+    over the flat outputs of ``forward(x)``, run on consecutive slices of
+    ``size`` rows, each slice forward again under its own tape: ``seeds``
+    are the loss's gradients with respect to the whole batch's outputs
+    (None: the loss does not read that output). Dense sums; None for a
+    variable no output reaches."""
+    n = _rows(x)
+    seeds = list(seeds)
+
+    def grads(start):
+        rows = tf.minimum(size, n - start)
+        with tf.GradientTape() as tape:
+            out = tf.nest.flatten(forward(_slice(x, start, rows)))
+        read = [
+            (o, _slice(s, start, rows)) for o, s in zip(out, seeds) if s is not None
+        ]
+        return tape.gradient(
+            [o for o, _ in read],
+            list(variables),
+            output_gradients=[tf.cast(s, o.dtype) for o, s in read],
+        )
+
+    # The first slice outside the loop: which variables get a gradient is
+    # structural, and the loop carries only theirs.
+    first = grads(tf.constant(0, n.dtype))
+    present = [i for i, g in enumerate(first) if g is not None]
+    zeros = [tf.zeros(variables[i].shape, first[i].dtype) for i in present]
+    sums = [plus(z, first[i], None) for z, i in zip(zeros, present)]
+
+    def body(i, sums):
+        found = grads(i * size)
+        return i + 1, [plus(s, found[j], None) for s, j in zip(sums, present)]
+
+    _, sums = tf.while_loop(
+        lambda i, _: i * size < n,
+        body,
+        (tf.constant(1, n.dtype), sums),
+        parallel_iterations=1,
+    )
+    whole = [None] * len(variables)
+    for i, total in zip(present, sums):
+        whole[i] = total
+    return whole
+
+
+class CachedTape:
+    """A ``tf.GradientTape`` for a batch whose outputs came from
+    :func:`forward_slices`: ``gradient`` as the tape of one forward pass over
+    the whole batch would give it.
+
+    ``tape``: a persistent tape on which the loss was computed from the
+    watched ``outputs`` (flat); ``variables``: what ``backward(seeds)``
+    differentiates (see :func:`backward_slices`). A gradient with respect to
+    a variable is the tape's own (a regularisation penalty reads the weights
+    directly) plus the backward pass of the output gradients; with respect to
+    an output, the tape's. Each call runs the second pass once.
+    """
+
+    def __init__(
+        self,
+        tape: tf.GradientTape,
+        outputs: Sequence[tf.Tensor],
+        variables: Sequence,
+        backward: Callable[[list], list],
+    ):
+        self._tape = tape
+        self._outputs = list(outputs)
+        self._variables = list(variables)
+        self._backward = backward
+
+    def gradient(self, target, sources, output_gradients=None) -> list:
+        sources = list(sources)
+        k = len(self._outputs)
+        found = self._tape.gradient(
+            target, [*self._outputs, *sources], output_gradients=output_gradients
+        )
+        seeds, direct = found[:k], found[k:]
+        if all(s is None for s in seeds):
+            return direct
+        # By identity: Keras 3's variables are not hashable tensors.
+        through = dict(zip(map(id, self._variables), self._backward(seeds)))
+        return [_add(d, through.get(id(s))) for s, d in zip(sources, direct)]
+
+
+def _add(direct, through):
+    if through is None:
+        return direct
+    return through if direct is None else plus(through, direct, None)
+
+
+def _rows(x) -> tf.Tensor:
+    first = next(t for t in tf.nest.flatten(x) if t is not None)
+    return tf.shape(first)[0]
+
+
+def _slice(x, start, rows):
+    """Rows ``start:start + rows`` of every tensor of the structure ``x``."""
+
+    def cut(t):
+        if t is None:
+            return None
+        rank = t.shape.rank
+        return tf.slice(t, [start] + [0] * (rank - 1), [rows] + [-1] * (rank - 1))
+
+    return tf.nest.map_structure(cut, x)

@@ -1,0 +1,121 @@
+"""The model wrapper's ``gradient_cache``: one ``fit`` batch's forward and
+backward pass run in ``micro_batch_size`` slices (``core/gradient_cache.py``)
+around one loss over the whole batch's outputs, written once for both
+Kerases. The second forward pass draws the first pass's random numbers
+again; what cannot be exact is refused with the reason."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from gradient_accumulator.core.gradient_cache import (
+    CachedTape,
+    backward_slices,
+    forward_slices,
+)
+from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
+
+_WHY = (
+    "`gradient_cache=True` computes the loss once on the whole batch's outputs "
+    "and runs each slice forward twice"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedForward:
+    """The first pass over a batch: its outputs, and the second pass that
+    back-propagates gradients with respect to them into the weights."""
+
+    outputs: object
+    variables: list
+    backward: Callable[[list], list]
+
+    def tape(self, tape: tf.GradientTape) -> CachedTape:
+        """``tape`` (persistent, watching the outputs, on which the loss was
+        computed) as the tape of one pass over the whole batch."""
+        flat = tf.nest.flatten(self.outputs)
+        return CachedTape(tape, flat, self.variables, self.backward)
+
+
+def cached_forward(model, x) -> CachedForward:
+    """The first pass of ``model`` (a ``ModelHost`` with ``gradient_cache``)
+    over the batch ``x``, slice by slice, outside any tape."""
+    flavour = model._flavour
+    size = model._accumulation_settings.micro_batch_size
+    refuse_batch_statistics(model)
+    states = flavour.random_states(model)
+    if states is None:
+        refuse_random_draws(model)
+        states = []
+    # Read before the first pass draws: the second pass starts from here.
+    saved = [tf.identity(state.value) for state in states]
+
+    def forward(rows):
+        return flavour.forward(model, rows)
+
+    outputs = forward_slices(forward, x, size)
+    refuse_call_losses(model)
+    variables = model.trainable_variables
+
+    def backward(seeds: list) -> list:
+        for state, value in zip(states, saved):
+            state.assign(value)
+        return backward_slices(forward, x, seeds, size, variables)
+
+    return CachedForward(outputs, variables, backward)
+
+
+def refuse_batch_statistics(model) -> None:
+    """BatchNormalization in training normalises each slice by the slice's
+    own statistics: the outputs are not the whole batch's."""
+    flavour = model._flavour
+    kinds = (flavour.keras.layers.BatchNormalization, AccumBatchNorm)
+    found = [
+        layer.name
+        for layer in flavour.sublayers(model)[1:]
+        if isinstance(layer, kinds) and layer.trainable
+    ]
+    if found:
+        raise ValueError(
+            f"{_WHY}, but BatchNormalization layers {found} normalise each "
+            "slice by its own mean and variance, not the whole batch's: the "
+            "outputs, and so the gradient, would differ from the big batch's. "
+            "Use LayerNormalization or GroupNormalization (per sample), freeze "
+            "these layers (layer.trainable = False), or train without "
+            "gradient_cache."
+        )
+
+
+def refuse_random_draws(model) -> None:
+    """Layers whose random draws this Keras cannot replay."""
+    flavour = model._flavour
+    found = [
+        layer.name
+        for layer in flavour.sublayers(model)[1:]
+        if flavour.draws_random(layer)
+    ]
+    if found:
+        raise ValueError(
+            f"{_WHY}, and both passes must draw the same random numbers, but "
+            f"layers {found} draw theirs from {flavour.name}'s stateful random "
+            "ops, which cannot be replayed: the second pass would use other "
+            "masks and the gradient would not be the first pass's. Remove "
+            "them (or set their rate to 0), or use Keras 3, whose seed "
+            "generators gradient_cache replays."
+        )
+
+
+def refuse_call_losses(model) -> None:
+    """Losses added inside the model's call read intermediate layers,
+    which the loss over the outputs cannot differentiate."""
+    if model._flavour.call_losses(model):
+        raise ValueError(
+            f"{_WHY}, so its gradient reaches the weights through the outputs "
+            "only, but the model adds losses in its call (add_loss, or an "
+            "activity_regularizer) that read intermediate layers. Compute "
+            "such a loss from the model's outputs in compute_loss, or train "
+            "without gradient_cache."
+        )
