@@ -29,39 +29,36 @@ Forward = Callable[[object], object]
 
 def forward_slices(forward: Forward, x, size: int):
     """``forward`` of the whole ``x``, run on its consecutive slices of
-    ``size`` rows (the last may be shorter), one at a time: the outputs
-    concatenated, Keras masks included. Run it outside any tape: only the
-    outputs are kept."""
+    ``size`` rows, one at a time: the outputs concatenated, Keras masks
+    included. Run it outside any tape: only the outputs are kept.
+
+    Every slice has ``size`` rows (a static shape, as XLA compiles a loop
+    body): the last repeats the batch's last row as padding, and the padded
+    rows' outputs are dropped (BatchNormalization, whose outputs would see
+    them, is refused by the hosts)."""
     n = _rows(x)
-    first = forward(_slice(x, 0, tf.minimum(size, n)))
+    count = (n + size - 1) // size
+    first = forward(_rows_of(x, _indices(0, size, n)))
     flat = tf.nest.flatten(first)
     masks = [keras_mask(t) for t in flat]
     kept = flat + [m for m in masks if m is not None]
 
     def body(i, arrays):
-        start = i * size
-        out = tf.nest.flatten(forward(_slice(x, start, tf.minimum(size, n - start))))
+        out = tf.nest.flatten(forward(_rows_of(x, _indices(i * size, size, n))))
         out += [keras_mask(t) for t, m in zip(out, masks) if m is not None]
         return i + 1, [a.write(i, t) for a, t in zip(arrays, out)]
 
     arrays = [
-        tf.TensorArray(
-            t.dtype,
-            size=1,
-            dynamic_size=True,
-            infer_shape=False,
-            # Slices differ in rows only (the last may be shorter).
-            element_shape=tf.TensorShape([None]).concatenate(t.shape[1:]),
-        ).write(0, t)
+        tf.TensorArray(t.dtype, size=count, element_shape=t.shape).write(0, t)
         for t in kept
     ]
     _, arrays = tf.while_loop(
-        lambda i, _: i * size < n,
+        lambda i, _: i < count,
         body,
         (tf.constant(1, n.dtype), arrays),
         parallel_iterations=1,
     )
-    whole = [a.concat() for a in arrays]
+    whole = [a.concat()[:n] for a in arrays]
     outputs, rest = whole[: len(flat)], iter(whole[len(flat) :])
     outputs = [
         t if m is None else with_keras_mask(t, next(rest))
@@ -74,21 +71,21 @@ def backward_slices(
     forward: Forward, x, seeds: Sequence, size: int, variables: Sequence
 ) -> list:
     """The gradient with respect to ``variables`` of ``sum(outputs * seeds)``
-    over the flat outputs of ``forward(x)``, run on consecutive slices of
-    ``size`` rows, each slice forward again under its own tape: ``seeds``
-    are the loss's gradients with respect to the whole batch's outputs
-    (None: the loss does not read that output). Dense sums; None for a
-    variable no output reaches."""
+    over the flat outputs of ``forward(x)``, run on the slices of
+    :func:`forward_slices`, each slice forward again under its own tape:
+    ``seeds`` are the loss's gradients with respect to the whole batch's
+    outputs (None: the loss does not read that output); padded rows get a
+    zero seed. Dense sums; None for a variable no output reaches."""
     n = _rows(x)
+    count = (n + size - 1) // size
     seeds = list(seeds)
 
-    def grads(start):
-        rows = tf.minimum(size, n - start)
+    def grads(i):
+        rows = _indices(i * size, size, n)
+        real = tf.range(size, dtype=n.dtype) + i * size < n
         with tf.GradientTape() as tape:
-            out = tf.nest.flatten(forward(_slice(x, start, rows)))
-        read = [
-            (o, _slice(s, start, rows)) for o, s in zip(out, seeds) if s is not None
-        ]
+            out = tf.nest.flatten(forward(_rows_of(x, rows)))
+        read = [(o, _seed(s, rows, real)) for o, s in zip(out, seeds) if s is not None]
         return tape.gradient(
             [o for o, _ in read],
             list(variables),
@@ -103,11 +100,11 @@ def backward_slices(
     sums = [plus(z, first[i], None) for z, i in zip(zeros, present)]
 
     def body(i, sums):
-        found = grads(i * size)
+        found = grads(i)
         return i + 1, [plus(s, found[j], None) for s, j in zip(sums, present)]
 
     _, sums = tf.while_loop(
-        lambda i, _: i * size < n,
+        lambda i, _: i < count,
         body,
         (tf.constant(1, n.dtype), sums),
         parallel_iterations=1,
@@ -168,13 +165,21 @@ def _rows(x) -> tf.Tensor:
     return tf.shape(first)[0]
 
 
-def _slice(x, start, rows):
-    """Rows ``start:start + rows`` of every tensor of the structure ``x``."""
+def _indices(start, size: int, n):
+    """Rows ``start .. start + size - 1``, the ones past the batch's end
+    repeating its last row (``size`` static)."""
+    return tf.minimum(start + tf.range(size, dtype=n.dtype), n - 1)
 
-    def cut(t):
-        if t is None:
-            return None
-        rank = t.shape.rank
-        return tf.slice(t, [start] + [0] * (rank - 1), [rows] + [-1] * (rank - 1))
 
-    return tf.nest.map_structure(cut, x)
+def _rows_of(x, indices):
+    """Those rows of every tensor of the structure ``x``."""
+    return tf.nest.map_structure(
+        lambda t: None if t is None else tf.gather(t, indices), x
+    )
+
+
+def _seed(seed, indices, real):
+    """The output gradient of a slice's rows: 0 on padding rows."""
+    rows = tf.gather(seed, indices)
+    shape = tf.concat([tf.shape(real), tf.ones([tf.rank(rows) - 1], tf.int32)], 0)
+    return rows * tf.cast(tf.reshape(real, shape), rows.dtype)

@@ -1,13 +1,14 @@
 """``gradient_cache=True`` in Keras 3: the second forward pass of each
 slice draws the first pass's random numbers (its layers' seed generators
-are reset between the passes), and slicing without the cache is not the
-whole batch (what the cache is for)."""
+are reset between the passes); XLA compiles the slice loops; and slicing
+without the cache is not the whole batch (what the cache is for)."""
 
 from __future__ import annotations
 
 import keras
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import config as tf_config
 
 from gradient_accumulator import GradientAccumulateModel
 from tests.both.test_gradient_cache import (
@@ -24,6 +25,7 @@ from tests.both.test_gradient_cache import (
 from tests.utils import max_abs_diff
 
 LR = 0.5
+CACHE = {"micro_batch_size": SLICE, "gradient_cache": True}
 
 
 def _dropout_towers(wrapper=None, **settings):
@@ -98,3 +100,35 @@ def test_slicing_without_the_cache_is_not_the_whole_batch():
     )
     assert max_abs_diff(plain.get_weights(), sliced.get_weights()) > 100 * TOL
     assert np.isfinite(plain.get_weights()[0]).all()
+
+
+def test_jit_compile_and_a_batch_the_slices_do_not_divide():
+    """jit_compile=True (op determinism off: Keras refuses XLA with it):
+    batches of 20 in slices of 8, the last slice padded; as plain Keras
+    with XLA and batch_size=20."""
+    query, candidate, weights, labels = batches()
+    tf_config.disable_op_determinism()
+    try:
+        models = []
+        for wrapper, settings in ((None, {}), (GradientAccumulateModel, CACHE)):
+            model = two_towers(wrapper, **settings)
+            model.compile(
+                optimizer=keras.optimizers.Adam(1e-2),
+                loss=in_batch_softmax,
+                jit_compile=True,
+            )
+            model.fit(
+                [query[:200], candidate[:200]],
+                labels[:200],
+                sample_weight=weights[:200],
+                batch_size=20,
+                shuffle=False,
+                verbose=0,
+            )
+            assert model.jit_compile is True
+            models.append(model)
+    finally:
+        tf.config.experimental.enable_op_determinism()
+    plain, cached = models
+    assert int(cached.optimizer.iterations) == 10
+    assert max_abs_diff(plain.get_weights(), cached.get_weights()) <= TOL
