@@ -53,7 +53,10 @@ IN_BATCH = (
     "in-batch negatives: its output has the batch's size on axis 1 (each "
     "sample scored against the batch's own candidates), so each micro-batch "
     "sees only its own {m} candidates, not the big batch's {big}: not exact "
-    "(the loss couples the samples of a batch)"
+    "with accum_steps (the loss couples the samples of a batch). Exact: "
+    "GradientAccumulateModel(micro_batch_size={m}, gradient_cache=True) fed "
+    "batches of {big} (check it: verify(..., gradient_cache=True); see "
+    "docs/gradient-cache.md)"
 )
 
 SPARSE_ROWS = (

@@ -2,15 +2,14 @@
 two ways from the same initial weights on the same samples in the same order
 (plain Keras with the big batch, ``micro_batch_size * accum_steps``, and the
 model wrapper with the micro-batch) and compare every variable, layer by
-layer. Each Keras' ``verify`` module describes its Keras in a :class:`Keras`
-and keeps the public function and its docs; the report types live here."""
+layer. The report it returns is ``hosts/verify_report.py``'s."""
 
 from __future__ import annotations
 
 import functools
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,160 +18,22 @@ import tensorflow as tf
 from gradient_accumulator._which_keras import other_keras
 from gradient_accumulator.core.validation import (
     check_accum_steps,
+    check_bool,
     check_positive_float,
 )
 from gradient_accumulator.hosts import causes as known
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.optimizer import OptimizerHost
-
-__all__ = [
-    "LayerCheck",
-    "Options",
-    "VariableCheck",
-    "VerifyReport",
-    "check_model_fn",
-    "run",
-]
-
-_DOWNSTREAM = "follows from {causes}"
-_UNEXPLAINED = (
-    "no known cause in this layer: a loss or layer that couples the samples "
-    "of a batch, or float32 round-off (raise `tolerance`)"
+from gradient_accumulator.hosts.verify_report import (
+    UNEXPLAINED,
+    LayerCheck,
+    VariableCheck,
+    VerifyReport,
 )
 
+__all__ = ["Options", "check_model_fn", "run"]
 
-@dataclass(frozen=True)
-class VariableCheck:
-    """One variable: how far the two trainings ended apart."""
-
-    name: str
-    shape: tuple[int, ...]
-    trainable: bool
-    max_abs_diff: float
-    """``max |w_accumulated - w_big_batch|`` after training."""
-    moved: float
-    """``max |w_big_batch - w_initial|``: how much training changed it."""
-    ok: bool
-
-
-@dataclass(frozen=True)
-class LayerCheck:
-    """One top-level layer of the model."""
-
-    name: str
-    class_name: str
-    variables: list[VariableCheck]
-    ok: bool
-    reason: str | None
-    """Why the layer breaks equivalence (``None`` when ``ok``)."""
-    breaks_equivalence: bool
-    """True if the cause lies in this layer (or a layer nested in it), False
-    if its variables differ only because another layer's do."""
-
-    @property
-    def max_abs_diff(self) -> float | None:
-        """Largest difference over the layer's variables (``None``: no
-        variables)."""
-        return max((v.max_abs_diff for v in self.variables), default=None)
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """The result of :func:`verify`; ``str(report)`` is a readable table."""
-
-    layers: list[LayerCheck]
-    tolerance: float
-    micro_batch_size: int
-    accum_steps: int
-    steps: int
-    moved: float
-    """Largest change of any trainable variable during big-batch training: a
-    comparison of weights that training did not move proves nothing."""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def max_abs_diff(self) -> float:
-        """Largest difference over all variables."""
-        return max(
-            (v.max_abs_diff for layer in self.layers for v in layer.variables),
-            default=0.0,
-        )
-
-    @property
-    def ok(self) -> bool:
-        """True if every variable agrees within ``tolerance`` and training
-        moved the weights by more than ``tolerance``."""
-        return self.moved > self.tolerance and all(x.ok for x in self.layers)
-
-    @property
-    def failing_layers(self) -> list[LayerCheck]:
-        """Layers whose variables differ or that break equivalence."""
-        return [x for x in self.layers if not x.ok]
-
-    @property
-    def causes(self) -> list[LayerCheck]:
-        """Failing layers that break equivalence themselves."""
-        return [x for x in self.failing_layers if x.breaks_equivalence]
-
-    def __str__(self) -> str:
-        big = self.micro_batch_size * self.accum_steps
-        head = (
-            f"big batch {big} vs accumulated {self.micro_batch_size} x "
-            f"{self.accum_steps}, {self.steps} update(s); tolerance "
-            f"{self.tolerance:g}"
-        )
-        rows = [("layer", "variable", "max |diff|", "moved", "ok")]
-        for layer in self.layers:
-            label = f"{layer.name} ({layer.class_name})"
-            if not layer.variables:
-                rows.append((label, "-", "-", "-", _mark(layer.ok)))
-            for i, v in enumerate(layer.variables):
-                rows.append(
-                    (
-                        label if i == 0 else "",
-                        v.name + ("" if v.trainable else " (non-trainable)"),
-                        f"{v.max_abs_diff:.2e}",
-                        f"{v.moved:.2e}",
-                        _mark(v.ok),
-                    )
-                )
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        lines = [head, ""]
-        for j, r in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-            if j == 0:
-                lines.append("  ".join("-" * w for w in widths))
-        lines.append("")
-        if self.causes:
-            lines.append("Breaks equivalence:")
-            lines.extend(
-                f"  {x.name} ({x.class_name}): {x.reason}" for x in self.causes
-            )
-        followers = [
-            x
-            for x in self.failing_layers
-            if not x.breaks_equivalence and x.reason != _UNEXPLAINED
-        ]
-        if followers:
-            names = ", ".join(x.name for x in followers)
-            lines.append(f"Differ as a consequence: {names}.")
-        lines.extend(
-            f"{x.name} ({x.class_name}): {x.reason}"
-            for x in self.failing_layers
-            if x.reason == _UNEXPLAINED
-        )
-        lines.extend(self.notes)
-        verdict = "OK" if self.ok else "FAIL"
-        lines.append(
-            f"{verdict}: max |w_accumulated - w_big_batch| = "
-            f"{self.max_abs_diff:.2e}, training moved the weights by up to "
-            f"{self.moved:.2e}."
-        )
-        return "\n".join(lines)
-
-
-def _mark(ok: bool) -> str:
-    return "yes" if ok else "NO"
+_DOWNSTREAM = "follows from {causes}"
 
 
 @dataclass(frozen=True)
@@ -187,9 +48,11 @@ class Options:
     tolerance: float = 1e-4
     seed: int = 0
     callbacks: Any = None
+    gradient_cache: bool = False
 
     def __post_init__(self):
         set_checked = functools.partial(object.__setattr__, self)
+        check_bool("gradient_cache", self.gradient_cache)
         for name in ("micro_batch_size", "accum_steps", "steps"):
             set_checked(name, check_accum_steps(getattr(self, name), name))
         set_checked("tolerance", check_positive_float("tolerance", self.tolerance))
@@ -250,8 +113,11 @@ def run(
     flavour.keras.utils.set_random_seed(int(checked.seed))
     template = _build(flavour, model_fn)
     _check_independent(source, template)
+    # gradient_cache: each fit batch is the big batch, in micro-batch slices.
+    cache = checked.gradient_cache
+    settings = {"micro_batch_size": checked.micro_batch_size, "gradient_cache": True}
     accumulated = wrapper(
-        accum_steps=checked.accum_steps,
+        **(settings if cache else {"accum_steps": checked.accum_steps}),
         inputs=template.inputs,
         outputs=template.outputs,
     )
@@ -264,7 +130,14 @@ def run(
     reference.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
     accumulated.compile(optimizer=_new_optimizer(flavour, optimizer), loss=loss)
     _train(reference, x, y, big, checked, "plain, big batch")
-    _train(accumulated, x, y, checked.micro_batch_size, checked, "accumulated")
+    _train(
+        accumulated,
+        x,
+        y,
+        big if cache else checked.micro_batch_size,
+        checked,
+        "accumulated",
+    )
     found_after = []
     for big_layer, ours_layer, found in zip(
         reference.layers, accumulated.layers, hidden
@@ -283,7 +156,7 @@ def run(
         lambda: _new_optimizer(flavour, optimizer),
     )
     for layer, causes in zip(reference.layers, found_after):
-        if layer.name == in_batch:
+        if layer.name == in_batch and not cache:
             causes.append(known.IN_BATCH.format(m=checked.micro_batch_size, big=big))
         if layer.name in sparse:
             causes.append(sparse[layer.name])
@@ -563,7 +436,7 @@ def _report(
         elif culprits:
             reason = _DOWNSTREAM.format(causes=", ".join(culprits))
         else:
-            reason = _UNEXPLAINED
+            reason = UNEXPLAINED
         layers.append(
             LayerCheck(
                 name=layer.name,

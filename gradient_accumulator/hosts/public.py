@@ -16,9 +16,10 @@ from typing import Any
 
 from gradient_accumulator.core.settings import Settings
 from gradient_accumulator.hosts import equivalence, in_place, replace_layers
-from gradient_accumulator.hosts.equivalence import Options, VerifyReport
+from gradient_accumulator.hosts.equivalence import Options
 from gradient_accumulator.hosts.flavour import Flavour
 from gradient_accumulator.hosts.model import check_in_step
+from gradient_accumulator.hosts.verify_report import VerifyReport
 
 # Stand-ins in the functions' annotations (strings): _public names this Keras'
 # classes in their place, as inspect.signature shows them.
@@ -163,6 +164,10 @@ _VERIFY_DOC = """Checks that ``GradientAccumulateModel`` trains ``model_fn()``'s
         callbacks: None, or a function returning a new list of callbacks
             for each run's ``fit`` (for layers that need one while training,
             such as TensorFlow Model Optimization's ``UpdatePruningStep``).
+        gradient_cache: check ``GradientAccumulateModel(micro_batch_size=
+            micro_batch_size, gradient_cache=True)`` fed batches of
+            ``micro_batch_size * accum_steps`` instead (for a loss that
+            couples the batch's samples; see ``docs/gradient-cache.md``).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is the verdict and
@@ -273,6 +278,7 @@ def verify(flavour: Flavour, module: str, wrapper: type) -> Callable:
         tolerance: float = Options.tolerance,
         seed: int = Options.seed,
         callbacks: Callable[[], list] | None = Options.callbacks,
+        gradient_cache: bool = Options.gradient_cache,
     ) -> VerifyReport:
         equivalence.check_model_fn(flavour, model_fn)
         options = Options(
@@ -284,6 +290,7 @@ def verify(flavour: Flavour, module: str, wrapper: type) -> Callable:
             tolerance=tolerance,
             seed=seed,
             callbacks=callbacks,
+            gradient_cache=gradient_cache,
         )
         return equivalence.run(flavour, wrapper, model_fn, x, y, options)
 

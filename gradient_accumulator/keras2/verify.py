@@ -5,7 +5,7 @@ your tf-keras model? As the Keras 3 ``verify``
 from __future__ import annotations
 
 from gradient_accumulator.hosts import public
-from gradient_accumulator.hosts.equivalence import (
+from gradient_accumulator.hosts.verify_report import (
     LayerCheck,
     VariableCheck,
     VerifyReport,

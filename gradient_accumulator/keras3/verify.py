@@ -10,7 +10,7 @@ micro-batch — and compares every variable, layer by layer
 from __future__ import annotations
 
 from gradient_accumulator.hosts import public
-from gradient_accumulator.hosts.equivalence import (
+from gradient_accumulator.hosts.verify_report import (
     LayerCheck,
     VariableCheck,
     VerifyReport,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gradient_accumulator import GradientAccumulateModel, accumulate
+from gradient_accumulator import GradientAccumulateModel, accumulate, verify
 from tests.flavour import keras
 from tests.utils import max_abs_diff
 
@@ -266,3 +266,28 @@ def test_a_loss_added_in_the_call_is_refused():
         keras.layers.Dense(E, activity_regularizer=keras.regularizers.L2(0.1)),
         "activity_regularizer",
     )
+
+
+def test_verify_names_the_setting_and_checks_it():
+    """verify on an in-batch softmax: with accum_steps alone it fails and
+    its reason names gradient_cache; with gradient_cache=True it passes."""
+    query, candidate, _, labels = batches()
+
+    def build():
+        keras.utils.set_random_seed(1)
+        return keras.Model(*_towers())
+
+    common = {
+        "micro_batch_size": SLICE,
+        "accum_steps": N // SLICE,
+        "steps": 3,
+        "optimizer": "sgd",
+        "loss": in_batch_softmax,
+    }
+    plain = verify(build, [query, candidate], labels, **common)
+    assert not plain.ok
+    reasons = " ".join(layer.reason or "" for layer in plain.layers)
+    assert "gradient_cache=True" in reasons, reasons
+    cached = verify(build, [query, candidate], labels, gradient_cache=True, **common)
+    assert cached.ok, str(cached)
+    assert cached.max_abs_diff <= TOL
