@@ -82,13 +82,14 @@ def _largest_finite_scale(x, y) -> float:
     return scale
 
 
-@pytest.mark.parametrize("mode", ["streaming", "in-step", "xla"])
+@pytest.mark.parametrize("mode", ["streaming", "in-step", "xla", "gradient-cache"])
 def test_skips_only_cycles_the_big_batch_skips(mode):
     """At the big batch's largest finite scale, a micro-batch whose own sums
     overflow is recomputed, not skipped: the wrapper applies at least the big
     batch's updates, skips a subset of its cycles, halves its scale after a
     rescued cycle, and is as close to float32 as Keras' mixed big batch
-    (streaming, in-step, XLA)."""
+    (streaming, in-step, XLA, and gradient_cache, whose second pass sums
+    each slice's samples apart from the rest of the batch's)."""
     x, y = _cancelling_data()
     keras.mixed_precision.set_global_policy("float32")
     reference = utils.seeded(lambda: utils.plain_model(LAYERS))
@@ -103,15 +104,19 @@ def test_skips_only_cycles_the_big_batch_skips(mode):
         big_log = _CycleEnds(1)
         utils.fit(big, x, y, CYCLE, callbacks=[big_log])
 
-        settings = {"micro_batch_size": B} if mode == "in-step" else {"accum_steps": K}
+        settings = {
+            "in-step": {"micro_batch_size": B},
+            "gradient-cache": {"micro_batch_size": B, "gradient_cache": True},
+        }.get(mode, {"accum_steps": K})
         ours = utils.seeded(lambda: utils.accumulating_model(LAYERS, **settings))
         ours.compile(
             optimizer=_scaled(scale),
             loss=utils.sparse_ce(),
             jit_compile=mode == "xla",
         )
-        batch = CYCLE if mode == "in-step" else B
-        log = _CycleEnds(1 if mode == "in-step" else K)
+        sliced = "micro_batch_size" in settings
+        batch = CYCLE if sliced else B
+        log = _CycleEnds(1 if sliced else K)
         utils.fit(ours, x, y, batch, callbacks=[log])
     finally:
         keras.mixed_precision.set_global_policy("float32")
