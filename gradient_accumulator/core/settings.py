@@ -45,8 +45,9 @@ class Settings:
     eps: float = EPS
     micro_batch_size: int | None = None
     # In-step slices run twice, the loss once on the whole batch's outputs
-    # (core/gradient_cache.py): exact for losses that couple the batch.
-    gradient_cache: bool = False
+    # (core/gradient_cache.py): exact for losses that couple the batch;
+    # "global": on every replica's outputs, gathered.
+    gradient_cache: bool | str = False
     # "auto": each epoch that is a pass over the data ends its last cycle
     # short, as plain Keras' last batch; epochs cut from a stream by
     # steps_per_epoch carry it on (hosts/partial_cycles.py).

@@ -155,12 +155,18 @@ def check_micro_batch_size(micro_batch_size) -> int | None:
 
 
 def check_gradient_cache(gradient_cache, micro_batch_size) -> None:
-    """Raises unless ``gradient_cache`` is a bool, True only with the
-    ``micro_batch_size`` whose slices it caches."""
-    check_bool("gradient_cache", gradient_cache)
+    """Raises unless ``gradient_cache`` is False, True or ``"global"``, set
+    only with the ``micro_batch_size`` whose slices it caches."""
+    if not (isinstance(gradient_cache, bool) or gradient_cache == "global"):
+        kind = ValueError if isinstance(gradient_cache, str) else TypeError
+        raise kind(
+            "`gradient_cache` must be False, True (each replica's batch is one "
+            'coupled batch) or "global" (every replica\'s outputs gathered '
+            f"before the loss). Received: gradient_cache={gradient_cache!r}."
+        )
     if gradient_cache and micro_batch_size is None:
         raise ValueError(
-            "`gradient_cache=True` runs each fit batch in slices of "
+            f"`gradient_cache={gradient_cache!r}` runs each fit batch in slices of "
             "`micro_batch_size` samples and computes the loss once on the whole "
             "batch's outputs, but micro_batch_size is None. Set "
             "micro_batch_size to the slice size (an integer >= 1), or leave "

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator.core.gradient_cache import (
     CachedTape,
     backward_slices,
@@ -32,6 +33,31 @@ class CachedForward:
     outputs: object
     variables: list
     backward: Callable[[list], list]
+
+    gathers: bool  # "global": every replica's outputs and data, gathered
+
+    def loss_inputs(self, tape: tf.GradientTape, x, y, sample_weight) -> tuple:
+        """``(y_pred, x, y, sample_weight)`` the loss is computed from, under
+        ``tape``, which watches this replica's outputs; gathered over the
+        replicas (in replica order, as the global batch was split) when
+        ``gathers``: each replica's loss is then the global batch's."""
+        flat = tf.nest.flatten(self.outputs)
+        tape.watch(flat)
+        context = tf.distribute.get_replica_context()
+        if not self.gathers or context is None or context.num_replicas_in_sync == 1:
+            return self.outputs, x, y, sample_weight
+
+        def gather(t):
+            return None if t is None else context.all_gather(t, axis=0)
+
+        whole = [
+            gather(t)
+            if keras_mask(t) is None
+            else with_keras_mask(gather(t), gather(keras_mask(t)))
+            for t in flat
+        ]
+        data = (tf.nest.map_structure(gather, d) for d in (x, y, sample_weight))
+        return (tf.nest.pack_sequence_as(self.outputs, whole), *data)
 
     def tape(self, tape: tf.GradientTape) -> CachedTape:
         """``tape`` (persistent, watching the outputs, on which the loss was
@@ -65,7 +91,8 @@ def cached_forward(model, x) -> CachedForward:
             state.assign(value)
         return backward_slices(forward, x, seeds, size, variables)
 
-    return CachedForward(outputs, variables, backward)
+    gathers = model._accumulation_settings.gradient_cache == "global"
+    return CachedForward(outputs, variables, backward, gathers)
 
 
 def refuse_batch_statistics(model) -> None:

@@ -61,11 +61,11 @@ def micro_batch_pass(
         or len(flavour.loss_terms(model)) != 1
     )
     with tf.GradientTape(persistent=persistent) as tape:
+        samples = batch_size(x)
         if cache is None:
             y_pred = flavour.forward(model, x)
         else:
-            y_pred = cache.outputs
-            tape.watch(tf.nest.flatten(y_pred))
+            y_pred, x, y, sample_weight = cache.loss_inputs(tape, x, y, sample_weight)
         _build_state(model)
         outputs = y_pred if flavour.guards_empty_masks else _dividable(y_pred)
         loss = flavour.compute_loss(model, x, y, outputs, sample_weight)
@@ -110,7 +110,7 @@ def micro_batch_pass(
         weight=groups[0].weight,
         count=groups[0].count,
         sums=len(groups) == 1 and groups[0].sums,
-        samples=batch_size(x),
+        samples=samples,
         grad_weight=found.weight,
         parts=found.parts,
         overflowed=found.overflowed,

@@ -58,7 +58,7 @@ class ModelHost:
         eps: float = Settings.eps,
         experimental_distributed_support: bool = False,
         micro_batch_size: int | None = Settings.micro_batch_size,
-        gradient_cache: bool = Settings.gradient_cache,
+        gradient_cache: bool | str = Settings.gradient_cache,
         partial_cycle: str = Settings.partial_cycle,
         flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], tf.Tensor] | None = None,

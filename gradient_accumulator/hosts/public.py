@@ -49,7 +49,9 @@ _ACCUMULATE_DOC = """Makes ``model`` accumulate gradients, in place, keeping its
         gradient_cache: with ``micro_batch_size``, run the slices forward,
             compute the loss once on the whole batch's outputs, then run each
             slice again to back-propagate it: exact for losses that couple
-            the batch (in-batch negatives, contrastive, triplet).
+            the batch (in-batch negatives, contrastive, triplet). ``True``:
+            each replica's batch is one coupled batch; ``"global"``: every
+            replica's outputs are gathered before the loss.
         partial_cycle: ``"auto"`` (the big batch's epochs: flush an
             incomplete cycle at the end of a pass over the data, carry it
             across epochs cut by ``steps_per_epoch``), ``"carry"``,
@@ -211,7 +213,7 @@ def accumulate(flavour: Flavour, module: str, wrapper: type) -> Callable:
         accum_steps: int = Settings.accum_steps,
         *,
         micro_batch_size: int | None = Settings.micro_batch_size,
-        gradient_cache: bool = Settings.gradient_cache,
+        gradient_cache: bool | str = Settings.gradient_cache,
         partial_cycle: str = Settings.partial_cycle,
         flush_at_end: bool = Settings.flush_at_end,
         skip_update_fn: Callable[[list, list], Any] | None = None,

@@ -71,7 +71,7 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
             step is one micro-step of the cycle (one update with the default
             ``accum_steps=1``) while memory holds one slice's activations.
             Exact like the streaming mode: the gradient is the whole batch's.
-        gradient_cache: ``False`` (default) or ``True`` (with
+        gradient_cache: ``False`` (default), ``True`` or ``"global"`` (with
             ``micro_batch_size``): for a loss that couples the batch's samples
             (in-batch negatives, contrastive, triplet), run every slice
             forward, compute the loss once on the whole batch's outputs, then
@@ -79,7 +79,12 @@ class GradientAccumulateModel(ModelHost, GraphRunHook, keras.Model):
             caching): the gradient is the whole batch's, for one more forward
             pass. Random layers draw the same numbers in both passes;
             ``BatchNormalization`` in training and losses added in the call
-            are refused. See ``docs/gradient-cache.md``.
+            are refused. Under a ``tf.distribute`` strategy, ``True`` makes
+            each replica's batch one coupled batch (its negatives are its
+            own, as plain Keras computes it); ``"global"`` gathers every
+            replica's outputs before the loss, so the negatives are the
+            whole global batch's, as on one device. See
+            ``docs/gradient-cache.md``.
         loss_denominator: what the model's own ``compute_loss`` (a model
             compiled without a loss) divides a batch's loss by, which the
             package cannot read: ``"samples"`` (a mean over samples),
