@@ -371,3 +371,41 @@ def test_mirrored_strategy_negatives_per_replica_or_gathered():
         assert gap["per_replica"] <= TOL, gaps
         assert gap["global"] <= TOL, gaps
         assert gap["replicas_from_one_device"] > 100 * TOL, gaps
+
+
+def test_a_second_output_with_another_denominator():
+    """Two outputs: the coupled pair (a mean) and an auxiliary regression
+    summed over the batch (another denominator: split_gradients' second
+    backward pass goes through the cached outputs too)."""
+
+    def build(wrapper=None, **settings):
+        keras.utils.set_random_seed(1)
+        inputs, pair = _towers()
+        aux = keras.layers.Dense(1, name="aux")(pair)
+        outputs = {"pair": pair, "aux": aux}
+        if wrapper is None:
+            return keras.Model(inputs, outputs)
+        return wrapper(inputs=inputs, outputs=outputs, **settings)
+
+    query, candidate, _, labels = batches()
+    trained = []
+    for model in (
+        build(),
+        build(GradientAccumulateModel, micro_batch_size=SLICE, gradient_cache=True),
+    ):
+        model.compile(
+            optimizer=keras.optimizers.Adam(1e-2),
+            loss={
+                "pair": in_batch_softmax,
+                "aux": keras.losses.MeanSquaredError(reduction="sum"),
+            },
+        )
+        model.fit(
+            [query, candidate],
+            {"pair": labels, "aux": labels},
+            batch_size=N,
+            shuffle=False,
+            verbose=0,
+        )
+        trained.append(model.get_weights())
+    assert max_abs_diff(*trained) <= TOL
