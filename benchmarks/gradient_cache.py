@@ -36,7 +36,17 @@ loads, as in ``memory.py``)
       to 32 (``--ratios``);
     * (a) ``plain n + N outputs``: plain Keras on a batch of n, plus the
       bytes of the whole batch's N outputs (which the cache must hold);
-    * (b) ``plain N``: plain Keras on the whole batch.
+    * (b) ``plain N``: plain Keras on the whole batch;
+    * ``in-step N/n, no cache``: ``micro_batch_size=n`` alone (not exact
+      for this loss), what slicing holds without the cache.
+
+    The excess of the cached step over (a) is also given in units of the
+    model's parameter bytes (a buffer of the weights' size, such as the
+    slices' gradient sum, is one). With ``--inter-op 1`` TensorFlow's
+    executor runs one op at a time: the peak is then the algorithm's, not
+    how the executor happened to overlap independent ops (which passes of
+    the cached step can do: with the default threads its peak varies from
+    run to run far more than plain training's).
 
 Run:
     python benchmarks/gradient_cache.py            # time and memory
@@ -210,13 +220,8 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def measure_memory(args) -> int:
-    try:
-        tf.config.experimental.reset_memory_stats(DEVICE)
-        tf.config.experimental.get_memory_info(DEVICE)
-    except (ValueError, RuntimeError, tf.errors.OpError) as error:
-        print(f"no allocator statistics for {DEVICE}: {error}")
-        return 1
+def memory_peaks(args) -> dict[str, list[int]]:
+    """Each variant's peak bytes of one update, per round (interleaved)."""
     shape = (args.tokens, FEATURES)
 
     def tower(t):
@@ -227,37 +232,57 @@ def measure_memory(args) -> int:
     for k in args.ratios:
         big = batch(shape, k * n)
         variants[f"plain {k * n}"] = (build(shape, tower, None, False), big)
-        variants[f"cached {k * n}/{n}"] = (build(shape, tower, n, True), big)
+        variants[f"cached {k * n}"] = (build(shape, tower, n, True), big)
+        variants[f"in-step {k * n}"] = (build(shape, tower, n, False), big)
     for model, (x, y) in variants.values():
         model.train_on_batch(x, y)  # trace and build
     peaks: dict[str, list[int]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, (model, (x, y)) in variants.items():
             peaks[name].append(peak_of_update(model, x, y))
+    params = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
+    peaks["parameter bytes"] = [4 * params]
+    return peaks
+
+
+def measure_memory(args) -> int:
+    try:
+        tf.config.experimental.reset_memory_stats(DEVICE)
+        tf.config.experimental.get_memory_info(DEVICE)
+    except (ValueError, RuntimeError, tf.errors.OpError) as error:
+        print(f"no allocator statistics for {DEVICE}: {error}")
+        return 1
+    peaks = memory_peaks(args)
     median = {name: statistics.median(p) for name, p in peaks.items()}
+    n, params = args.micro, median.pop("parameter bytes")
     print(
         f"Memory: token towers ({args.tokens} x {FEATURES} inputs, 2 x "
         f"Dense({args.token_width}) per token, mean pooling, {EMBEDDING}-d "
-        f"outputs), in-batch softmax, Adam; slices of n={n}; peak of one "
-        f"update, median of {args.rounds} interleaved round(s)."
+        f"outputs; {mib(params)} MiB of float32 parameters), in-batch softmax, "
+        f"Adam; slices of n={n}; peak of one update, median of {args.rounds} "
+        f"interleaved round(s); inter-op threads: {args.inter_op or 'default'}."
     )
     print()
     print(
         "| N | N/n | cached MiB | (a) plain n + N outputs MiB | cached / (a) "
-        "| (b) plain N MiB | cached / (b) |"
+        "| cached - (a), in parameter sizes | (b) plain N MiB | cached / (b) "
+        "| in-step n, no cache, MiB |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in args.ratios:
-        cached = median[f"cached {k * n}/{n}"]
+        cached = median[f"cached {k * n}"]
         small = median[f"plain {n}"] + k * n * 2 * EMBEDDING * 4
         whole = median[f"plain {k * n}"]
         print(
             f"| {k * n} | {k} | {mib(cached)} | {mib(small)} | "
-            f"{cached / small:.3f} | {mib(whole)} | {cached / whole:.3f} |"
+            f"{cached / small:.3f} | {(cached - small) / params:.2f} | "
+            f"{mib(whole)} | {cached / whole:.3f} | "
+            f"{mib(median[f'in-step {k * n}'])} |"
         )
     print()
     print(f"plain n={n} alone: {mib(median[f'plain {n}'])} MiB")
     print("target: cached <= 1.15 x (a)")
+    del peaks["parameter bytes"]
     print(f"all rounds (MiB): { {k: [mib(p) for p in v] for k, v in peaks.items()} }")
     return 0
 
@@ -275,6 +300,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=64, help="memory: positions")
     parser.add_argument("--token-width", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--inter-op",
+        type=int,
+        default=0,
+        help="memory: TensorFlow's inter-op threads (0: its default); with 1 "
+        "the executor runs one op at a time, so no two passes overlap",
+    )
     parser.add_argument("--quick", action="store_true", help="small, fast run")
     parser.add_argument(MEMORY_CHILD, action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -304,6 +336,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.memory_child:
+        tf.config.threading.set_inter_op_parallelism_threads(args.inter_op)
         if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC") != "1":
             print("the memory part needs TF_CPU_ALLOCATOR_USE_BFC=1 at start-up")
             return 1

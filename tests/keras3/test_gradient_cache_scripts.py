@@ -22,7 +22,8 @@ TIME_HEADER = (
 )
 MEMORY_HEADER = (
     "| N | N/n | cached MiB | (a) plain n + N outputs MiB | cached / (a) "
-    "| (b) plain N MiB | cached / (b) |"
+    "| cached - (a), in parameter sizes | (b) plain N MiB | cached / (b) "
+    "| in-step n, no cache, MiB |"
 )
 NUMBER = r"[0-9]+\.[0-9]+"
 
@@ -59,7 +60,7 @@ def test_gradient_cache_benchmark_quick_prints_both_tables():
             assert float(matches[0].group(1)) == 1.0, describe(result)
     assert MEMORY_HEADER in lines, describe(result)
     for big, k in ((16, 4), (32, 8)):
-        row = re.compile(rf"^\| {big} \| {k}( \| {NUMBER}){{5}} \|$")
+        row = re.compile(rf"^\| {big} \| {k}( \| -?{NUMBER}){{7}} \|$")
         assert sum(bool(row.match(line)) for line in lines) == 1, describe(result)
     assert "target: cached <= 1.5 x plain N" in result.stdout, describe(result)
     assert "target: cached <= 1.15 x (a)" in result.stdout, describe(result)
