@@ -43,10 +43,9 @@ loads, as in ``memory.py``)
     The excess of the cached step over (a) is also given in units of the
     model's parameter bytes (a buffer of the weights' size, such as the
     slices' gradient sum, is one). With ``--inter-op 1`` TensorFlow's
-    executor runs one op at a time: the peak is then the algorithm's, not
-    how the executor happened to overlap independent ops (which passes of
-    the cached step can do: with the default threads its peak varies from
-    run to run far more than plain training's).
+    executor runs one op at a time, so independent ops overlap only as far
+    as the graph's order lets them: the peak is what the step's data
+    dependencies allow, not also what two threads happened to run at once.
 
 Run:
     python benchmarks/gradient_cache.py            # time and memory
