@@ -26,7 +26,7 @@ reference, and exits with status 1 if the cached model differs by more than
 2e-5.
 
 Run:
-    python examples/gradient_cache.py           # 4 epochs, about a minute
+    python examples/gradient_cache.py           # 4 epochs, about 20 s on a CPU
     python examples/gradient_cache.py --quick   # 1 epoch: a smoke test
 """
 
