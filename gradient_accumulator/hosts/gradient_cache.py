@@ -17,6 +17,7 @@ from gradient_accumulator.core.gradient_cache import (
     backward_slices,
     forward_slices,
 )
+from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 
 _WHY = (
@@ -92,6 +93,14 @@ def cached_forward(model, x) -> CachedForward:
         return backward_slices(forward, x, seeds, size, variables)
 
     gathers = model._accumulation_settings.gradient_cache == "global"
+    if gathers and loss_scale.scaler_of(flavour, model.optimizer) is not None:
+        raise ValueError(
+            f'{_WHY}; gradient_cache="global" also gathers every replica\'s '
+            "outputs, whose backward pass is a collective, but under a loss "
+            "scale (mixed_float16) an overflowing slice is redone inside a "
+            "loop that only some replicas may run: not supported. Use "
+            "gradient_cache=True (per-replica negatives) or float32."
+        )
     return CachedForward(outputs, variables, backward, gathers)
 
 

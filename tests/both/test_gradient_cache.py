@@ -409,3 +409,18 @@ def test_a_second_output_with_another_denominator():
         )
         trained.append(model.get_weights())
     assert max_abs_diff(*trained) <= TOL
+
+
+def test_global_negatives_under_a_loss_scale_are_refused():
+    """ "global" gathers the replicas' outputs; under mixed_float16 a slice's
+    overflow retry would run the gather's collective backward pass in a
+    loop: refused at the first step, with the reason."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = two_towers(
+            GradientAccumulateModel, micro_batch_size=SLICE, gradient_cache="global"
+        )
+        with pytest.raises(ValueError, match="mixed_float16"):
+            fit_on_batches(model, in_batch_softmax, "sgd")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
