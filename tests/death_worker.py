@@ -75,9 +75,11 @@ COLLECTIVE_TIMEOUT = 60  # s: a worker whose peer died fails within this
 
 
 def mark(label: str) -> None:
-    """``label`` with the seconds since this worker started, on stderr: where
-    a slow drill spends its time (the test prints the logs on a failure)."""
-    print(f"[{time.monotonic() - START:7.2f} s] {label}", file=sys.stderr, flush=True)
+    """``label`` with the seconds since this worker started (wall, and CPU
+    of this process), on stderr: where a slow drill spends its time (the
+    test prints the logs on a failure)."""
+    wall, cpu = time.monotonic() - START, time.process_time()
+    print(f"[{wall:7.2f} s, cpu {cpu:6.2f} s] {label}", file=sys.stderr, flush=True)
 
 
 class Stop(Exception):
