@@ -74,6 +74,14 @@ TORN_SOURCE = "model"
 COLLECTIVE_TIMEOUT = 60  # s: a worker whose peer died fails within this
 
 
+def mark(label: str) -> None:
+    """``label`` with the seconds since this worker started (wall, and CPU
+    of this process), on stderr: where a slow drill spends its time (the
+    test prints the logs on a failure)."""
+    wall, cpu = time.monotonic() - START, time.process_time()
+    print(f"[{wall:7.2f} s, cpu {cpu:6.2f} s] {label}", file=sys.stderr, flush=True)
+
+
 class Stop(Exception):
     """How the tf-keras cases before the killed one stop at ``KILL_AT``."""
 
@@ -257,6 +265,7 @@ def write(out: Path, name: str, arrays: dict, facts: dict) -> None:
 def at_kill_point(args, out: Path) -> None:
     """Worker 1 dies here (SIGKILL, nothing written after); worker 0 says
     it got here and goes on."""
+    mark("kill point")
     if args.index == 1:
         (out / "dying").write_text("")
         os.kill(os.getpid(), signal.SIGKILL)
@@ -270,9 +279,11 @@ def tf_keras_phase(args, strategy, out: Path, backup: Path) -> None:
     from tests.flavour import keras
 
     def fit(model, dataset, epochs, *callbacks):
+        mark("fit")
         model.fit(
             dataset, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks)
         )
+        mark("fit done")
 
     class DieAt(keras.callbacks.Callback):
         """Before micro-batch KILL_AT of the first epoch: the death, or (a
@@ -396,6 +407,7 @@ def keras3_phase(args, strategy, out: Path, backup: Path) -> None:
         source = case if case in CASES else TORN_SOURCE
         run = Run(strategy, source, backup / case, args.index, save=False)
         restored = run.restore()
+        mark(f"{case}: restored")
         facts = {**restored, **counters(run.model)}
         write_local(out, f"{case}_restored", local_sums(strategy, run.model), facts)
         for step in range(restored["step"], STEPS):
@@ -452,17 +464,23 @@ class Run:
             self.manager = tf.train.CheckpointManager(
                 self.checkpoint, str(self.own), max_to_keep=2
             )
+        mark(f"{case}: built")
 
     def step(self, step: int) -> None:
-        if self.batches is None:
+        first = self.batches is None
+        if first:
             dataset = data().repeat(EPOCHS).skip(step)
             self.batches = iter(self.strategy.experimental_distribute_dataset(dataset))
+            mark(f"{self.case}: dataset at {step}")
         self.function(next(self.batches))
         self.done.assign_add(1)
+        if first:
+            mark(f"{self.case}: first step done")
         if self.save and (step + 1) % SAVE == 0:
             self.manager.save()
             if self.own != self.backup:
                 shutil.rmtree(self.own, ignore_errors=True)
+            mark(f"{self.case}: saved after {step + 1}")
 
     def restore(self) -> dict:
         """Restores the newest backup that reads (``docs/distributed.md``);
@@ -496,22 +514,36 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     setup(args)
 
+    mark("started")
     import tensorflow as tf
 
     from tests import flavour
 
+    mark("imported")
     tf.config.experimental.enable_op_determinism()
+    # No tf.data autotuning in any iterator: debug mode turns it off in every
+    # one TensorFlow makes, also the per-device iterators of the
+    # MultiDeviceIterator behind a distributed dataset, which a dataset's
+    # own options do not reach. Deleting an autotuned iterator there waits
+    # for its tuning thread, which sleeps out its period (doubling up to
+    # 60 s) unwoken: each deleted iterator (the Keras 3 loop's runs', each
+    # tf-keras fit's) stalled its worker, and the other in the next
+    # collective, from seconds to a minute. The data are in-memory slices
+    # batched in order: what is fed, and in which order, is unchanged.
+    tf.data.experimental.enable_debug_mode()
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=COLLECTIVE_TIMEOUT
         )
     )
     assert strategy.num_replicas_in_sync == WORKERS, strategy.num_replicas_in_sync
+    mark("strategy")
     root = Path(args.out)
     out = root / f"w{args.index}"
     out.mkdir(parents=True, exist_ok=True)
     phase = tf_keras_phase if flavour.LEGACY_KERAS else keras3_phase
     phase(args, strategy, out, root / "backup")
+    mark("exit")
     # TensorFlow's collective runtime can abort in its destructors at
     # interpreter exit after all work is written: skip the teardown.
     sys.stdout.flush()
