@@ -103,6 +103,11 @@ def main(argv=None) -> None:
 
     # Full tracebacks in the test's failure output.
     keras.config.disable_traceback_filtering()
+    # No tf.data autotuning, also in the per-device iterators behind a
+    # distributed dataset (see tests/death_worker.py): deleting one waits
+    # for its tuning thread to sleep out its period. In-memory slices
+    # batched in order: what is fed, and in which order, is unchanged.
+    tf.data.experimental.enable_debug_mode()
     if args.mode == "mirrored":
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         default = MIRRORED_CASES

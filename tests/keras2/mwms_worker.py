@@ -151,6 +151,9 @@ def main(argv=None) -> None:
 
     assert tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
     tf.config.experimental.enable_op_determinism()
+    # No tf.data autotuning (see tests/death_worker.py): deleting a
+    # distributed dataset's per-device iterator waits for its tuning thread.
+    tf.data.experimental.enable_debug_mode()
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
         communication_options=tf.distribute.experimental.CommunicationOptions(
             timeout_seconds=COLLECTIVE_TIMEOUT
