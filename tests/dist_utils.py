@@ -23,6 +23,32 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 
 
+_TWO_CPUS_CHILD = """
+import json, sys
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(
+    cpu, [tf.config.LogicalDeviceConfiguration()] * 2
+)
+tf.config.experimental.enable_op_determinism()
+module, name = sys.argv[1:]
+result = getattr(__import__(module, fromlist=[name]), name)()
+print("RESULT", json.dumps(result))
+"""
+
+
+def on_two_cpus(module: str, function: str, timeout: float = 300):
+    """``module.function()`` (JSON-able) run in a child process whose CPU is
+    split into two logical devices before TensorFlow starts (a test session
+    has started it already), with a bounded wait."""
+    from tests.processes import describe, run_script
+
+    child = run_script("-c", _TWO_CPUS_CHILD, module, function, timeout=timeout)
+    assert child.returncode == 0, describe(child)
+    line = next(s for s in child.stdout.splitlines() if s.startswith("RESULT"))
+    return json.loads(line.split(" ", 1)[1])
+
+
 def child_env() -> dict[str, str]:
     return {
         **os.environ,

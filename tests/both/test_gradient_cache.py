@@ -8,16 +8,13 @@ in-step mode sums the slices' own in-batch losses)."""
 
 from __future__ import annotations
 
-import json
-import textwrap
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, accumulate, verify
+from tests import dist_utils
 from tests.flavour import LEGACY_KERAS, keras
-from tests.processes import describe, run_script
 from tests.utils import max_abs_diff
 
 N = 32  # a fit batch: the negatives of each sample
@@ -339,21 +336,6 @@ def mirrored_gaps() -> dict:
     return gaps
 
 
-_MIRRORED_CHILD = textwrap.dedent(
-    """
-    import json
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-    tf.config.experimental.enable_op_determinism()
-    from tests.both.test_gradient_cache import mirrored_gaps
-    print("GAPS", json.dumps(mirrored_gaps()))
-    """
-)
-
-
 def test_mirrored_strategy_negatives_per_replica_or_gathered():
     """Per-replica negatives (True) equal plain Keras under the strategy;
     gathered ones ("global") equal the single-device whole batch, which
@@ -362,10 +344,7 @@ def test_mirrored_strategy_negatives_per_replica_or_gathered():
     if LEGACY_KERAS:  # tests/conftest.py made two logical CPUs
         gaps = mirrored_gaps()
     else:
-        child = run_script("-c", _MIRRORED_CHILD, timeout=300)
-        assert child.returncode == 0, describe(child)
-        line = next(s for s in child.stdout.splitlines() if s.startswith("GAPS"))
-        gaps = json.loads(line.split(" ", 1)[1])
+        gaps = dist_utils.on_two_cpus("tests.both.test_gradient_cache", "mirrored_gaps")
     for gap in gaps.values():
         assert gap["iterations"] == [UPDATES, UPDATES], gaps
         assert gap["per_replica"] <= TOL, gaps

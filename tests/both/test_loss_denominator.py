@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import textwrap
 import warnings
 
 import numpy as np
@@ -22,8 +20,8 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, accumulate
+from tests import dist_utils
 from tests.flavour import LEGACY_KERAS, keras, utils
-from tests.processes import describe, run_script
 
 N, B, K = 16, 4, 2  # 16 samples, micro-batches of 4, updates of 8: 2 updates
 LR = 0.1
@@ -237,29 +235,13 @@ def _mirrored_gaps() -> dict:
     }
 
 
-_MIRRORED_CHILD = textwrap.dedent(
-    """
-    import json
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2
-    )
-    tf.config.experimental.enable_op_determinism()
-    from tests.both.test_loss_denominator import _mirrored_gaps
-    print("GAPS", json.dumps(_mirrored_gaps()))
-    """
-)
-
-
 def test_declared_own_loss_under_mirrored_strategy_matches_big_batch():
     if LEGACY_KERAS:  # tests/conftest.py made two logical CPUs
         gaps = _mirrored_gaps()
     else:
-        child = run_script("-c", _MIRRORED_CHILD, timeout=300)
-        assert child.returncode == 0, describe(child)
-        line = next(s for s in child.stdout.splitlines() if s.startswith("GAPS"))
-        gaps = json.loads(line.split(" ", 1)[1])
+        gaps = dist_utils.on_two_cpus(
+            "tests.both.test_loss_denominator", "_mirrored_gaps"
+        )
     for case, gap in gaps.items():
         utils.report(gap, f"mirrored {case}")
     assert max(gaps.values()) <= utils.ATOL, gaps
