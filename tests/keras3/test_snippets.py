@@ -3,7 +3,10 @@ does every ``>>>`` example in the package's docstrings.
 
 A page's ```` ```python ```` blocks run in order in one fresh child process
 (a page is read top to bottom: a later block may use what an earlier block of
-the same page defined), from a temporary directory, with a timeout. A block
+the same page defined), from a temporary directory, with a timeout. The
+children are forked from one process that imported TensorFlow, Keras and the
+package (``tests/preloaded.py``): each page still starts from a process of its
+own, and the imports are paid once instead of once per page. A block
 that is deliberately not runnable (a bare signature, a fragment of a larger
 program) is marked on the line just before its fence with
 ``<!-- not-run: why -->``; shell commands use another fence language (``bash``,
@@ -25,7 +28,8 @@ import pytest
 import gradient_accumulator
 import gradient_accumulator.keras3 as ga_keras3
 from tests import doctest_child
-from tests.processes import REPO, describe, run_script
+from tests.preloaded import Preloaded
+from tests.processes import REPO, describe
 
 # Pages whose code is for tf-keras run in tests/keras2 (where tf.keras is it).
 KERAS2_PAGES = [REPO / "docs" / "tf-keras.md", REPO / "docs" / "recipes-tf-keras.md"]
@@ -117,27 +121,30 @@ def test_pages_have_runnable_blocks_and_few_exceptions():
         assert markers == marked, f"{page.name}: a not-run marker is misplaced"
 
 
+@pytest.fixture(scope="module")
+def children():
+    """Fresh child processes with TensorFlow, Keras and the package imported."""
+    preloaded = Preloaded("tensorflow", "keras", "gradient_accumulator")
+    yield preloaded
+    preloaded.close()
+
+
 @pytest.mark.parametrize(
     "page",
     [p for p in PAGES if any(b.not_run is None for b in python_blocks(p))],
     ids=lambda p: p.name,
 )
-def test_page_code_blocks_run(page, tmp_path):
-    run_page_blocks(page, tmp_path)
+def test_page_code_blocks_run(page, tmp_path, children):
+    run_page_blocks(page, tmp_path, children)
 
 
-def run_page_blocks(page, tmp_path):
-    """Runs a page's blocks in a child process and checks each finished."""
+def run_page_blocks(page, tmp_path, children: Preloaded):
+    """Runs a page's blocks in a fresh child process and checks each finished."""
     blocks = [b for b in python_blocks(page) if b.not_run is None]
-    script = tmp_path / "run_blocks.py"
-    script.write_text(CHILD, encoding="utf-8")
     work = tmp_path / "cwd"
     work.mkdir()
-    result = run_script(
-        str(script),
-        cwd=work,
-        input=json.dumps([asdict(b) for b in blocks]),
-        timeout=240,
+    result = children.run(
+        CHILD, cwd=work, input=json.dumps([asdict(b) for b in blocks]), timeout=240
     )
     assert result.returncode == 0, describe(result)
     done = re.findall(r"^ran (\S+)$", result.stdout, re.M)
@@ -160,11 +167,11 @@ DOCTEST_CHILD = doctest_child.script(
 )
 
 
-def test_docstring_examples_run(tmp_path):
+def test_docstring_examples_run(tmp_path, children):
     """The ``>>>`` examples of every module of the package, in a child process
     (as a user would run them: no test-session settings such as op
     determinism, which makes Keras' unseeded initializers raise)."""
-    result = run_script("-c", DOCTEST_CHILD, cwd=tmp_path)
+    result = children.run(DOCTEST_CHILD, cwd=tmp_path)
     assert result.returncode == 0, describe(result)
     counts = re.findall(
         r"^doctest (\S+) attempted (\d+) failed (\d+)$", result.stdout, re.M
