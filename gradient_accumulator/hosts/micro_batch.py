@@ -47,14 +47,15 @@ def micro_batch_pass(
     whether it is its step's first (a bool tensor, see :func:`groups_of`);
     ``step_samples``: for a slice, the samples of its whole step."""
     flavour = model._flavour
-    # Several denominators take more than one backward pass of the tape
-    # (the loss terms are known once the first compute_loss built them),
-    # and so may an overflow under a loss scale (the plan's retry_scale).
-    # The whole batch's outputs from slices, the loss on them (one forward
-    # pass, before the tape), the weights' gradients from slices again.
+    # gradient_cache: the whole batch's outputs from slices (one forward
+    # pass, before the tape), the loss on them, the weights' gradients from
+    # the slices again (as many backward passes as the cached tape is asked).
     cache = None
     if model._accumulation_settings.gradient_cache:
         cache = cached_forward(model, x)
+    # Several denominators take more than one backward pass of the tape
+    # (the loss terms are known once the first compute_loss built them),
+    # and so may an overflow under a loss scale (the plan's retry_scale).
     persistent = (
         cache is not None
         or loss_scale.scaler_of(flavour, model.optimizer) is not None
