@@ -8,8 +8,9 @@ Adam and the same sample order:
   mixed policy (how far low precision alone moves the weights);
 * ``GradientAccumulateModel`` and ``GradientAccumulateOptimizer`` with the
   micro-batch under ``mixed_float16`` (where ``compile`` adds Keras'
-  ``LossScaleOptimizer``) and ``mixed_bfloat16`` (no loss scale). Nothing
-  else changes: no flag, no wrapper to add.
+  ``LossScaleOptimizer`` to the model wrapper's optimizer, and the optimizer
+  wrapper holds one, compiled with ``auto_scale_loss=False``) and
+  ``mixed_bfloat16`` (no loss scale).
 
 Then it feeds one accumulation cycle whose third micro-batch holds a pixel of
 1e5 (Inf in float16) and shows the whole cycle skipped: weights bit-identical,
@@ -104,16 +105,23 @@ def build(policy: str, kind: str, accum_steps: int) -> keras.Model:
     keras.utils.set_random_seed(SEED)
     inputs, outputs = layers()
     optimizer = keras.optimizers.Adam(1e-3)
+    compile_kwargs = {}
     if kind == "model wrapper":
         model = GradientAccumulateModel(accum_steps, inputs=inputs, outputs=outputs)
     else:
         model = keras.Model(inputs, outputs)
-        if kind == "optimizer wrapper":
-            optimizer = GradientAccumulateOptimizer(optimizer, accum_steps)
+    if kind == "optimizer wrapper":
+        if policy == "mixed_float16":
+            # The loss scale inside the wrapper, which then checks, skips and
+            # grows it per cycle; compile must not add one around it.
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+            compile_kwargs["auto_scale_loss"] = False
+        optimizer = GradientAccumulateOptimizer(optimizer, accum_steps)
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
+        **compile_kwargs,
     )
     return model
 
@@ -128,6 +136,8 @@ def max_abs_diff(a, b) -> float:
 
 def loss_scale(model: keras.Model) -> str:
     optimizer = model.optimizer
+    if isinstance(optimizer, GradientAccumulateOptimizer):
+        optimizer = optimizer.inner_optimizer
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return f"{float(optimizer.dynamic_scale):g}"
     return "none"

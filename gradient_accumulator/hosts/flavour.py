@@ -63,15 +63,10 @@ class Flavour(abc.ABC):
     optimizer_keeps_strategy: bool
     # Keys the Keras adds to the wrapper's config, dropped on load.
     optimizer_config_extras: tuple
-    # The Keras' LossScaleOptimizer; the class (derived from the one it takes
-    # over) that a scaler wrapping an accumulating optimizer becomes, and the
-    # wrapper's and the Keras' names in adopt's message.
+    # The Keras' LossScaleOptimizer, and how to use one inside the optimizer
+    # wrapper with this Keras (the end of the refusal of one around it).
     loss_scaler: type
-    cycle_loss_scaler: type
-    loss_scaler_names: tuple[str, str]
-    # Whether an adopted scaler's dynamic scale replaces the wrapped
-    # optimizer's static ``loss_scale_factor``.
-    scaler_replaces_loss_scale_factor: bool
+    inner_scaler_hint: str
 
     # model host (hosts/model.py, hosts/micro_batch.py, hosts/in_step.py)
     engine: type  # the engine class a model holds its state in
@@ -230,9 +225,10 @@ class Flavour(abc.ABC):
         """An optimizer from what :meth:`serialize_optimizer` gave."""
 
     @abc.abstractmethod
-    def wrapping_loss_scaler(self, inner):
-        """The loss scaler around the wrapper ``inner``, when called from its
-        method; else None."""
+    def marks_wrapped_optimizer(self, name: str, value) -> bool:
+        """Whether setting attribute ``name`` of an optimizer to ``value`` is
+        what the Keras' LossScaleOptimizer does to the optimizer it wraps,
+        when it is made."""
 
     @abc.abstractmethod
     def current_scale(self, scaler):

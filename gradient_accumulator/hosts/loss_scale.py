@@ -2,20 +2,16 @@
 
 The hosts call these with their flavour, whose loss-scale fields (see
 ``hosts/flavour.py``, ``# --- optimizer host``) name the Keras' scaler
-class, the class that takes over a scaler wrapping an accumulating
-optimizer (each Keras' ``loss_scale.py``) and the few rules that differ;
-the rules that do not depend on the Keras are here:
+class and the few rules that differ; the rules that do not depend on the
+Keras are here:
 
 * :func:`scaler_of`: the scaler an accumulating object sees directly;
 * :func:`scale_hooks`: the engine's hooks that keep a dynamic scale per
   cycle;
 * :func:`apply_gradients`: a cycle's gradients reach the optimizer inside a
   scaler, whose checks are the engine's;
-* :func:`saves_as`: the taking-over class saves as the Keras' own, so files
-  load without custom objects;
-* :func:`adopt`: that one scaler instance (and no other in the process)
-  becomes the taking-over class, which hands whole cycles to the optimizer
-  it wraps.
+* :func:`wrapping_refused`: the error for a scaler around the optimizer
+  wrapper.
 """
 
 from __future__ import annotations
@@ -55,27 +51,20 @@ def apply_gradients(flavour: Flavour, optimizer, grads: Sequence, variables: Seq
     return flavour.apply_reduced(inner, grads, variables)
 
 
-def saves_as(cycle_class: type, keras_class: type) -> type:
-    """Gives ``cycle_class`` the names of ``keras_class``: saved files name
-    the Keras' class, which :func:`adopt` turns into ``cycle_class`` on
-    load."""
-    cycle_class.__name__ = keras_class.__name__
-    cycle_class.__qualname__ = keras_class.__qualname__
-    cycle_class.__module__ = keras_class.__module__
-    return cycle_class
-
-
-def adopt(flavour: Flavour, scaler) -> None:
-    """Makes ``scaler``, a LossScaleOptimizer that wraps an accumulating
-    optimizer, hand whole cycles to it (this instance only); refuses a
-    subclass. The taking-over class derives from the class it takes over."""
-    cycle_class = flavour.cycle_loss_scaler
-    (keras_class,) = cycle_class.__bases__
-    if type(scaler) is keras_class:
-        scaler.__class__ = cycle_class
-    elif not isinstance(scaler, cycle_class):
-        wrapper, keras = flavour.loss_scaler_names
-        raise TypeError(
-            f"{wrapper} can be wrapped in {keras}' LossScaleOptimizer, not in "
-            f"a subclass of it: {type(scaler).__name__}."
-        )
+def wrapping_refused(flavour: Flavour) -> TypeError:
+    """The error for a LossScaleOptimizer built around the optimizer wrapper
+    (``compile`` builds one under ``"mixed_float16"``)."""
+    # Such a scaler checks, skips and grows its scale per call, i.e. per
+    # micro-batch, and hands the wrapper nothing that names it, so the
+    # wrapper cannot take the checks over: the layouts that work name the
+    # scaler in the open.
+    return TypeError(
+        "A LossScaleOptimizer cannot wrap a GradientAccumulateOptimizer: it "
+        "would check, skip and grow its loss scale once per micro-batch, so "
+        "a micro-batch that overflows would be dropped from its cycle instead "
+        "of the cycle being skipped. Under the 'mixed_float16' policy, "
+        "accumulate in the model instead (GradientAccumulateModel, or "
+        "accumulate(model)), whose compile wraps the plain optimizer; or put "
+        "the scaler inside the wrapper, GradientAccumulateOptimizer("
+        f"LossScaleOptimizer(optimizer), accum_steps=...){flavour.inner_scaler_hint}."
+    )

@@ -97,6 +97,15 @@ class OptimizerHost:
         # fit's partial cycle, before Keras swaps EMA weights in.
         self._end_of_fit: Callable[[], None] | None = None
 
+    def __setattr__(self, name, value):
+        # A LossScaleOptimizer marks the optimizer it wraps as it is made
+        # (compile() makes one under mixed_float16): refuse it there.
+        if self._flavour.marks_wrapped_optimizer(name, value) and hasattr(
+            self, "inner_optimizer"
+        ):
+            raise loss_scale.wrapping_refused(self._flavour)
+        super().__setattr__(name, value)
+
     def _resolve_optimizer(self, optimizer):
         kinds, text = self._flavour.optimizer_kinds, self._flavour.optimizer_text
         if isinstance(optimizer, kinds):
@@ -197,9 +206,6 @@ class OptimizerHost:
 
     # ---------------------------------------------------------------- update
     def build(self, var_list):
-        # Called directly here, not through a helper: the search for the
-        # scaler counts the frames up to the scaler's method.
-        self._adopt(self._flavour.wrapping_loss_scaler(self))
         if self._flavour.optimizer_built(self):
             return
         variables = list(var_list)
@@ -232,17 +238,6 @@ class OptimizerHost:
         if not self._flavour.optimizer_built(self):
             with self._flavour.optimizer_build_scope(self):
                 self.build(variables)
-
-    def _adopt(self, scaler) -> None:
-        # A LossScaleOptimizer builds the optimizer it wraps (compile() puts
-        # one around this one under mixed_float16): it must hand whole cycles
-        # to us, and, as Keras 3 does for the optimizer it wraps directly,
-        # its dynamic scale replaces any static factor of the wrapped one.
-        if scaler is None:
-            return
-        loss_scale.adopt(self._flavour, scaler)
-        if self._flavour.scaler_replaces_loss_scale_factor:
-            self.inner_optimizer.loss_scale_factor = None
 
     def _apply_fn(self, variables):
         return functools.partial(

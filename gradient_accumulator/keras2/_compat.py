@@ -14,7 +14,7 @@ from typing import NamedTuple
 import tensorflow as tf
 import tf_keras
 
-from gradient_accumulator import _callers, _requirements
+from gradient_accumulator import _requirements
 
 with _requirements.private_names("tf-keras", f"tf-keras {tf_keras.__version__}"):
     from tf_keras.src.engine.functional import (
@@ -23,9 +23,6 @@ with _requirements.private_names("tf-keras", f"tf-keras {tf_keras.__version__}")
         has_functional_like_constructor,
         reconstruct_from_config,
     )
-    from tf_keras.src.mixed_precision.loss_scale_optimizer import (
-        LossScaleOptimizerV3,
-    )
     from tf_keras.src.saving.object_registration import (
         _GLOBAL_CUSTOM_NAMES as GLOBAL_CUSTOM_NAMES,
     )
@@ -33,7 +30,6 @@ with _requirements.private_names("tf-keras", f"tf-keras {tf_keras.__version__}")
 __all__ = [
     "GLOBAL_CUSTOM_NAMES",
     "Functional",
-    "LossScaleOptimizerV3",
     "LossTerm",
     "call_losses",
     "config_as",
@@ -42,6 +38,7 @@ __all__ = [
     "is_compiled",
     "loss_scale_variable",
     "loss_terms",
+    "marks_wrapped_optimizer",
     "model_optimization",
     "prunable_layers",
     "pruning_step",
@@ -49,7 +46,6 @@ __all__ = [
     "track_state",
     "untrack_state",
     "update_pruning_step",
-    "wrapping_loss_scaler",
 ]
 
 
@@ -77,14 +73,10 @@ def untrack_state(model, name: str) -> None:
     model._delete_tracking(name)
 
 
-def wrapping_loss_scaler(inner):
-    """The ``LossScaleOptimizer`` wrapping ``inner`` when ``inner``'s method
-    is called from one of that scaler's methods (its ``build``, or
-    ``minimize`` asking for gradients); else None."""
-    # Autograph (tf-keras 2.16 converts these calls) puts a frame of its own
-    # between each pair of methods.
-    scaler = tf_keras.mixed_precision.LossScaleOptimizer
-    return _callers.calling_wrapper(inner, scaler, frames=8)
+def marks_wrapped_optimizer(name: str, value) -> bool:
+    """Whether setting ``name`` to ``value`` is tf-keras' LossScaleOptimizer
+    marking the optimizer it wraps (its constructor sets this flag)."""
+    return name == "_is_wrapped_by_loss_scale_optimizer" and bool(value)
 
 
 def draws_random(layer) -> bool:

@@ -59,9 +59,10 @@ class KerasFlavour(Flavour):
     optimizer_keeps_strategy = True
     optimizer_config_extras = ("is_legacy_optimizer",)
     loss_scaler = loss_scale.LossScaleOptimizer
-    cycle_loss_scaler = loss_scale.CycleLossScaleOptimizer
-    loss_scaler_names = ("The tf-keras GradientAccumulateOptimizer", "tf-keras")
-    scaler_replaces_loss_scale_factor = False
+    inner_scaler_hint = (
+        " in a custom training loop (tf-keras' compile wraps every optimizer "
+        "that is not a LossScaleOptimizer in one)"
+    )
     engine = Engine
     model_state_key = "accumulator:"
     keras_tensor = tf_keras.__internal__.KerasTensor
@@ -225,8 +226,8 @@ class KerasFlavour(Flavour):
             config, custom_objects=custom_objects, use_legacy_optimizer=legacy
         )
 
-    def wrapping_loss_scaler(self, inner):
-        return _compat.wrapping_loss_scaler(inner)
+    def marks_wrapped_optimizer(self, name, value):
+        return _compat.marks_wrapped_optimizer(name, value)
 
     def current_scale(self, scaler):
         return scaler.loss_scale

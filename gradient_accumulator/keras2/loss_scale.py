@@ -13,17 +13,7 @@ from collections.abc import Sequence
 import tf_keras
 
 from gradient_accumulator.core.dynamic_scale import cycle_hooks
-from gradient_accumulator.hosts import loss_scale as host
-
-# LossScaleOptimizerV3 is the class tf-keras wraps a current optimizer in
-# (``compile`` under mixed_float16, or ``LossScaleOptimizer(optimizer)``).
-# Named, not learnt from an instance: building one at import would start
-# TensorFlow's runtime, after which a script can no longer set its threads
-# or devices.
-from gradient_accumulator.keras2._compat import (
-    LossScaleOptimizerV3,
-    loss_scale_variable,
-)
+from gradient_accumulator.keras2._compat import loss_scale_variable
 
 LossScaleOptimizer = tf_keras.mixed_precision.LossScaleOptimizer
 
@@ -61,27 +51,3 @@ def cycle_scale_hooks(scaler):
         iterations.assign_add(1)
 
     return on_apply, on_skip
-
-
-# ------------------------------------------- LossScaleOptimizer(accumulating)
-# Under mixed_float16 ``compile`` wraps the optimizer wrapper in tf-keras'
-# LossScaleOptimizer, which checks, skips and grows its scale per call, i.e.
-# per micro-batch, and all-reduces every micro-batch's gradients. That one
-# instance is given the class below, which hands ``apply_gradients`` (with
-# the unscaled gradients) to the optimizer it wraps, so the cycle is checked
-# and counted once (``hosts.loss_scale.adopt``, called when the wrapper sees
-# the scaler: from its ``build`` or ``compute_gradients``). It saves as
-# tf-keras' own class.
-class CycleLossScaleOptimizer(LossScaleOptimizerV3):
-    """tf-keras' LossScaleOptimizer around an accumulating optimizer: the
-    scale is checked, skipped and grown per cycle by the optimizer it wraps."""
-
-    def apply_gradients(
-        self, grads_and_vars, skip_gradients_aggregation=False, **kwargs
-    ):
-        return self.inner_optimizer._apply_with_loss_scaler(
-            self, grads_and_vars, skip_gradients_aggregation, **kwargs
-        )
-
-
-host.saves_as(CycleLossScaleOptimizer, LossScaleOptimizerV3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tf_keras
 
+from gradient_accumulator.hosts.loss_scale import scaler_of
 from gradient_accumulator.hosts.optimizer import OptimizerHost
 from gradient_accumulator.keras2.flavour import FLAVOUR
 
@@ -19,7 +20,10 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
     calls: its state, ``iterations``, learning-rate schedule, clipping,
     weight decay and EMA advance once per update. Under a ``tf.distribute``
     strategy the cycle's sums are all-reduced once per update. A cycle whose
-    accumulated gradient is not finite is skipped whole.
+    accumulated gradient is not finite is skipped whole. For loss scaling,
+    put the ``LossScaleOptimizer`` inside it (in a custom training loop); one
+    around it, which tf-keras' ``compile`` adds under ``"mixed_float16"``, is
+    refused with a ``TypeError`` (use ``GradientAccumulateModel`` there).
 
     Args: as the Keras 3 ``GradientAccumulateOptimizer``; ``optimizer`` is a
     tf-keras optimizer (``tf.keras.optimizers.*`` or
@@ -49,15 +53,6 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
         return self.learning_rate
 
     # ---------------------------------------------------------------- update
-    def _adopt_scaler(self) -> None:
-        # Called by our methods that a wrapping LossScaleOptimizer calls
-        # before its first apply_gradients.
-        self._adopt(FLAVOUR.wrapping_loss_scaler(self))
-
-    def compute_gradients(self, loss, var_list, tape=None):
-        self._adopt_scaler()
-        return super().compute_gradients(loss, var_list, tape=tape)
-
     def apply_gradients(
         self, grads_and_vars, name=None, skip_gradients_aggregation=False, **kwargs
     ):
@@ -68,24 +63,17 @@ class GradientAccumulateOptimizer(OptimizerHost, tf_keras.optimizers.Optimizer):
         once."""
         return self._apply(grads_and_vars, skip_gradients_aggregation, kwargs, name)
 
-    def _apply_with_loss_scaler(
-        self, scaler, grads_and_vars, skip_gradients_aggregation=False, **kwargs
-    ):
-        """``scaler.apply_gradients`` for a LossScaleOptimizer wrapping this
-        one (see ``keras2.loss_scale``): unscaled gradients of one call,
-        which this cycle checks and counts once, with ``scaler``'s scale."""
-        return self._apply(
-            grads_and_vars, skip_gradients_aggregation, kwargs, scaler=scaler
-        )
-
-    def _apply(self, grads_and_vars, skip_aggregation, kwargs, name=None, scaler=None):
+    def _apply(self, grads_and_vars, skip_aggregation, kwargs, name=None):
         pairs = list(grads_and_vars)
         variables = [v for _, v in pairs]
         self._build_for(variables)
         reduced = skip_aggregation or not kwargs.pop(
             "experimental_aggregate_gradients", True
         )
-        if scaler is None and self._accumulator.plain() and not reduced:
+        if self._accumulator.plain() and not reduced:
             return self.inner_optimizer.apply_gradients(pairs, name=name, **kwargs)
+        # A LossScaleOptimizer inside: the caller unscaled the gradients (as
+        # tf-keras' protocol has it); its scale is checked and kept per cycle.
+        scaler = scaler_of(FLAVOUR, self.inner_optimizer)
         self._accumulate([g for g, _ in pairs], variables, scaler, reduced)
         return self.iterations

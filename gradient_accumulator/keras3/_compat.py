@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import keras
 
-from gradient_accumulator import _callers, _requirements
+from gradient_accumulator import _requirements
 from gradient_accumulator._backend import KERAS_SPEC
 from gradient_accumulator.core._tf_compat import (
     distributed_container,
@@ -60,7 +60,6 @@ __all__ = [
     "set_all_reduce",
     "track_variable",
     "unscale_loss_for_distribution",
-    "wrapping_loss_scaler",
 ]
 
 
@@ -164,12 +163,3 @@ def set_all_reduce(optimizer, function) -> None:
         del optimizer._all_reduce_sum_gradients
     else:
         optimizer._all_reduce_sum_gradients = function
-
-
-def wrapping_loss_scaler(inner):
-    """The ``LossScaleOptimizer`` that wraps ``inner``, when called from
-    ``inner.build`` while that LossScaleOptimizer's ``build`` (which builds
-    the optimizer it wraps) runs; else None."""
-    # inner.build, then LossScaleOptimizer.build
-    scaler = keras.optimizers.LossScaleOptimizer
-    return _callers.calling_wrapper(inner, scaler, frames=4)

@@ -51,9 +51,10 @@ class KerasFlavour(Flavour):
     optimizer_keeps_strategy = False
     optimizer_config_extras = ()
     loss_scaler = keras.optimizers.LossScaleOptimizer
-    cycle_loss_scaler = loss_scale.CycleLossScaleOptimizer
-    loss_scaler_names = ("GradientAccumulateOptimizer", "Keras")
-    scaler_replaces_loss_scale_factor = True
+    inner_scaler_hint = (
+        ", and pass compile(..., auto_scale_loss=False) so that compile adds "
+        "no LossScaleOptimizer around it"
+    )
     engine = Accumulator
     model_state_key = None  # the engine is a Keras saveable
     keras_tensor = keras.KerasTensor
@@ -166,8 +167,10 @@ class KerasFlavour(Flavour):
             config, custom_objects=custom_objects
         )
 
-    def wrapping_loss_scaler(self, inner):
-        return compat.wrapping_loss_scaler(inner)
+    def marks_wrapped_optimizer(self, name, value):
+        # Keras' LossScaleOptimizer turns off the static loss scale of the
+        # optimizer it wraps, the only one who sets it once it is made.
+        return name == "loss_scale_factor" and value is None
 
     def current_scale(self, scaler):
         return tf.convert_to_tensor(scaler.dynamic_scale)

@@ -8,7 +8,6 @@ from gradient_accumulator.hosts.loss_scale import scaler_of
 from gradient_accumulator.hosts.optimizer import OptimizerHost
 from gradient_accumulator.keras3._compat import optimizer_built_variables
 from gradient_accumulator.keras3.flavour import FLAVOUR
-from gradient_accumulator.keras3.loss_scale import keras_apply
 
 
 @keras.saving.register_keras_serializable(package="gradient_accumulator")
@@ -22,10 +21,12 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
     given: its state, ``iterations``, learning-rate schedule, clipping, weight
     decay and EMA advance once per update and never see a partial gradient.
 
-    Under the ``"mixed_float16"`` policy ``compile`` wraps it in a
-    ``LossScaleOptimizer``, which then hands whole cycles to it: micro-batches
-    are unscaled before they are added, and a cycle with a non-finite
-    gradient is skipped whole and halves the scale, which grows per update.
+    For loss scaling (``"mixed_float16"``), put the ``LossScaleOptimizer``
+    inside it and compile with ``auto_scale_loss=False``: micro-batches are
+    unscaled before they are added, and a cycle with a non-finite gradient
+    is skipped whole and halves the scale, which grows per update. A
+    ``LossScaleOptimizer`` around it (which ``compile`` would add) is
+    refused with a ``TypeError``: it would check and skip per micro-batch.
 
     The wrapper sees only gradients, so every micro-batch counts equally. For
     exact weighting of masked or weighted micro-batches of unequal size, use
@@ -40,8 +41,8 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
         use_agc: apply adaptive gradient clipping to the accumulated gradient.
         clip_factor: adaptive gradient clipping factor (``> 0``).
         eps: adaptive gradient clipping epsilon (``> 0``).
-        mixed_precision: accepted for 0.5.x compatibility and ignored: loss
-            scaling is handled automatically.
+        mixed_precision: accepted for 0.5.x compatibility and ignored (see
+            loss scaling above).
         name: the optimizer's name.
         skip_update_fn: optional ``fn(grads, variables) -> bool tensor``,
             called with the accumulated mean gradient at the end of each
@@ -104,20 +105,6 @@ class GradientAccumulateOptimizer(OptimizerHost, keras.optimizers.Optimizer):
         self._accumulate(
             grads, variables, scaler_of(self._flavour, self.inner_optimizer)
         )
-
-    def _apply_with_loss_scaler(self, scaler, grads, trainable_variables=None):
-        """``scaler.apply`` when ``scaler`` is a LossScaleOptimizer wrapping
-        this optimizer (see ``loss_scale.CycleLossScaleOptimizer``):
-        ``grads`` are scaled by ``scaler``'s dynamic scale, which this cycle
-        then owns."""
-        if self._has_own_loss_scaler:
-            # The loss was scaled by our own scaler (``scaler.scale_loss``
-            # passes through too): ``scaler`` is a shell added by compile().
-            return self.apply(grads, trainable_variables)
-        if not self._accumulates:
-            # One call per update: Keras' own per-call loss scaling is right.
-            return keras_apply(scaler, grads, trainable_variables)
-        self._accumulate(grads, self._prepare(trainable_variables), scaler)
 
     @property
     def _has_own_loss_scaler(self) -> bool:

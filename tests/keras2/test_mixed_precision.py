@@ -1,8 +1,10 @@
-"""tf-keras mixed precision with the model wrapper: ``mixed_float16`` (with
-tf-keras' ``LossScaleOptimizer``, current and legacy) and ``mixed_bfloat16``
-train as close to float32 as tf-keras' own mixed big batch does, keep the
-scale per cycle as the big batch keeps it per step, and skip an overflowing
-cycle whole, as the big batch skips its step. Tolerances: see
+"""tf-keras mixed precision: ``mixed_float16`` (with tf-keras'
+``LossScaleOptimizer``, current and legacy: around the model wrapper's
+optimizer, or inside the optimizer wrapper in a custom loop) and
+``mixed_bfloat16`` train as close to float32 as tf-keras' own mixed big
+batch does, keep the scale per cycle as the big batch keeps it per step, and
+skip an overflowing cycle whole, as the big batch skips its step; a
+LossScaleOptimizer around the optimizer wrapper is refused. Tolerances: see
 tests/keras3/test_mixed_precision.py (the Keras 3 version)."""
 
 import pytest
@@ -47,17 +49,20 @@ def _train(policy, optimizer, x, y, wrapped, epochs=2):
     return model
 
 
-def _scale(model):
-    optimizer = model.optimizer
-    return float(optimizer.loss_scale), int(optimizer.dynamic_counter.numpy())
+def _scale(scaler):
+    return float(scaler.loss_scale), int(scaler.dynamic_counter.numpy())
 
 
-WRAPPERS = ["model", "optimizer"]
-
-
-@pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize(
+    "policy, wrapper",
+    # Under mixed_bfloat16 compile adds no scaler around the optimizer wrapper.
+    [
+        ("mixed_float16", "model"),
+        ("mixed_bfloat16", "model"),
+        ("mixed_bfloat16", "optimizer"),
+    ],
+)
 def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer, wrapper):
     x, y = utils.classification_data()
     reference = utils.weights(_train("float32", optimizer, x, y, wrapped=False))
@@ -72,26 +77,88 @@ def test_as_close_to_float32_as_the_mixed_big_batch(policy, optimizer, wrapper):
     if policy == "mixed_float16":
         assert isinstance(ours.optimizer, tf_keras.mixed_precision.LossScaleOptimizer)
         # The scale's counter advances per update, as the big batch's per step.
-        assert _scale(ours) == _scale(keras_mixed) == (2.0**15, 4)
+        assert _scale(ours.optimizer) == _scale(keras_mixed.optimizer) == (2.0**15, 4)
 
 
-@pytest.mark.parametrize("wrapper", WRAPPERS)
+def _custom_loop(optimizer, x, y, batch):
+    """A plain model trained by tf-keras' custom-loop protocol for a
+    LossScaleOptimizer (``optimizer``'s, or the one it wraps): scale the
+    loss, unscale the gradients, apply."""
+    import tensorflow as tf
+
+    scaler = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(scaler, tf_keras.mixed_precision.LossScaleOptimizer):
+        scaler = optimizer
+    model = utils.seeded(lambda: utils.plain_model(_layers))
+    loss_fn = utils.sparse_ce()
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            scaled = scaler.get_scaled_loss(loss_fn(yb, model(xb, training=True)))
+        grads = scaler.get_unscaled_gradients(
+            tape.gradient(scaled, model.trainable_variables)
+        )
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    for start in range(0, len(x), batch):
+        step(x[start : start + batch], y[start : start + batch])
+    return model, scaler
+
+
+@pytest.mark.parametrize("wrapper", ["model", "optimizer"])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_an_overflowing_micro_batch_skips_its_cycle_as_the_big_batch_skips(
     optimizer, wrapper
 ):
+    """The model wrapper in ``fit``, the optimizer wrapper (holding the
+    scaler) in a custom loop, each against the big batch trained the same
+    way."""
     x, y = utils.classification_data()
     x[B * K + 3, :] = 1e6  # in the second cycle: inf in float16
-    keras_mixed = _train("mixed_float16", optimizer, x, y, wrapped=False, epochs=1)
-    ours = _train("mixed_float16", optimizer, x, y, wrapped=wrapper, epochs=1)
+    if wrapper == "model":
+        keras_mixed = _train("mixed_float16", optimizer, x, y, wrapped=False, epochs=1)
+        ours = _train("mixed_float16", optimizer, x, y, wrapped=wrapper, epochs=1)
+        big_scaler, our_scaler = keras_mixed.optimizer, ours.optimizer
+    else:
+        tf_keras.mixed_precision.set_global_policy("mixed_float16")
+        try:
+            lso = tf_keras.mixed_precision.LossScaleOptimizer
+            keras_mixed, big_scaler = _custom_loop(
+                lso(OPTIMIZERS[optimizer]()), x, y, B * K
+            )
+            wrapped = GradientAccumulateOptimizer(lso(OPTIMIZERS[optimizer]()), K)
+            ours, our_scaler = _custom_loop(wrapped, x, y, B)
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
     # tf-keras skipped the second of its 2 steps (counting it) and halved the
     # scale.
-    assert int(keras_mixed.optimizer.iterations) == 2
-    assert _scale(keras_mixed) == (2.0**14, 0)
-    assert int(ours.optimizer.iterations) == 2
-    assert _scale(ours) == _scale(keras_mixed)
+    assert int(big_scaler.iterations) == 2
+    assert _scale(big_scaler) == (2.0**14, 0)
+    assert int(our_scaler.iterations) == 2
+    assert _scale(our_scaler) == _scale(big_scaler)
     utils.assert_finite(utils.weights(ours))
     utils.assert_same_weights(utils.weights(ours), utils.weights(keras_mixed), 1e-4)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("how", ["compile", "explicit"])
+def test_a_loss_scaler_around_the_optimizer_wrapper_is_refused(how, optimizer):
+    """It would check, skip and grow per micro-batch: refused as it is made
+    (tf-keras' compile makes one under mixed_float16), with what works."""
+    accumulating = GradientAccumulateOptimizer(OPTIMIZERS[optimizer](), K)
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = utils.plain_model(_layers)
+        with pytest.raises(TypeError, match="cannot wrap a GradientAccumulate") as e:
+            if how == "compile":
+                model.compile(accumulating, utils.sparse_ce())
+            else:
+                tf_keras.mixed_precision.LossScaleOptimizer(accumulating)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    assert "GradientAccumulateModel" in str(e.value)
+    assert "custom training loop" in str(e.value)
 
 
 def _overflows(model, x, y, scale: float) -> bool:

@@ -1,7 +1,7 @@
 """TensorFlow Model Optimization's pruning under accumulation: with
 ``PruningStepPerUpdate`` in place of TF-MOT's ``UpdatePruningStep``, the
-model wrapper, ``accumulate()`` and the optimizer wrapper (under a
-``LossScaleOptimizer`` too) prune as plain tf-keras does on the big batch:
+model wrapper, ``accumulate()`` (under a ``LossScaleOptimizer`` too) and the
+optimizer wrapper prune as plain tf-keras does on the big batch:
 the same masks, the same steps, the weights within round-off; with TF-MOT's
 own callback they do not (its schedule runs ``accum_steps`` times too fast).
 """
@@ -80,11 +80,9 @@ def _train(host: str, schedule: str, optimizer: str, callback) -> dict:
         model = accumulate(tf_keras.Model(inputs, outputs), accum_steps=K)
         # A power-of-two loss scale: exact in float32, as without it.
         opt = tf_keras.mixed_precision.LossScaleOptimizer(make(), initial_scale=2**8)
-    else:  # the optimizer wrapper, inside a LossScaleOptimizer
+    else:  # the optimizer wrapper
         model = tf_keras.Model(inputs, outputs)
-        opt = tf_keras.mixed_precision.LossScaleOptimizer(
-            GradientAccumulateOptimizer(make(), accum_steps=K), initial_scale=2**8
-        )
+        opt = GradientAccumulateOptimizer(make(), accum_steps=K)
     model.compile(opt, _loss())
     x, y = _data()
     model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[callback()])

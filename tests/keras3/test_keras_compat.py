@@ -26,6 +26,7 @@ import pytest
 import tensorflow as tf
 
 from gradient_accumulator.keras3 import _compat as compat
+from gradient_accumulator.keras3.flavour import FLAVOUR
 
 # Public names of the module that are not Keras / TensorFlow names.
 OWN_NAMES = {"KERAS_SPEC"}
@@ -633,21 +634,22 @@ def test_unscale_loss_for_distribution(monkeypatch):
     )
 
 
-def test_wrapping_loss_scaler():
-    """Keras' LossScaleOptimizer.build builds the optimizer it wraps from its
-    own frame: the wrapped optimizer's build can find its wrapper there."""
-    found = []
+def test_loss_scaler_marks_the_optimizer_it_wraps():
+    """Keras' LossScaleOptimizer sets ``loss_scale_factor = None`` on the
+    optimizer it wraps, once, when it is made: the sign the optimizer wrapper
+    refuses it by (``FLAVOUR.marks_wrapped_optimizer``)."""
+    seen = []
 
     class Probe(keras.optimizers.SGD):
-        def build(self, var_list):
-            found.append(compat.wrapping_loss_scaler(self))
-            super().build(var_list)
+        def __setattr__(self, name, value):
+            if FLAVOUR.marks_wrapped_optimizer(name, value):
+                seen.append(name)
+            super().__setattr__(name, value)
 
-    variables = [keras.Variable(np.zeros(2, "float32"))]
-    scaler = keras.optimizers.LossScaleOptimizer(Probe(0.1))
-    scaler.build(variables)
-    assert found == [scaler], _says(
-        "wrapping_loss_scaler", "LossScaleOptimizer.build no longer builds its inner"
+    probe = Probe(0.1)
+    seen.clear()  # Keras' own constructor sets the factor it was given
+    keras.optimizers.LossScaleOptimizer(probe)
+    assert seen == ["loss_scale_factor"], _says(
+        "LossScaleOptimizer",
+        "no longer turns off its inner optimizer's loss_scale_factor",
     )
-    Probe(0.1).build(variables)  # no wrapper on the stack
-    assert found[-1] is None

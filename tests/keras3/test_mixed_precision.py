@@ -1,15 +1,16 @@
 """Accumulation under the ``mixed_float16`` and ``mixed_bfloat16`` policies.
 
-Every layout a user can end up with is covered (``LAYOUTS``):
+Every layout that accumulates under a loss scale is covered (``LAYOUTS``):
 
 * ``model``: ``GradientAccumulateModel``; ``compile`` gives it
   ``LossScaleOptimizer(SGD)``.
-* ``compiled``: a plain model compiled with ``GradientAccumulateOptimizer``;
-  ``compile`` turns it into ``LossScaleOptimizer(GradientAccumulateOptimizer)``.
-* ``outer``: that same nesting built explicitly (and so not re-wrapped).
-* ``inner``: ``GradientAccumulateOptimizer(LossScaleOptimizer(SGD))``, which
-  ``compile`` wraps in a second LossScaleOptimizer (a pass-through shell).
-* ``inner_unwrapped``: the same with ``compile(auto_scale_loss=False)``.
+* ``inner``: ``GradientAccumulateOptimizer(LossScaleOptimizer(SGD))`` with
+  ``compile(auto_scale_loss=False)``.
+
+A LossScaleOptimizer around the optimizer wrapper (what ``compile`` builds
+from a plain model's ``GradientAccumulateOptimizer`` under mixed_float16)
+is refused; under mixed_bfloat16 there is no scaler, and ``compiled`` (that
+plain model) is covered too.
 
 References are plain Keras on the big batch: float32 (the exact target) and
 the same mixed policy (which shows how far low precision alone moves the
@@ -49,7 +50,7 @@ MARGIN = 2.0
 F16_ATOL = 1e-4
 LSO = keras.optimizers.LossScaleOptimizer
 
-LAYOUTS = ["model", "compiled", "outer", "inner", "inner_unwrapped"]
+LAYOUTS = ["model", "inner"]
 
 
 def _inner():
@@ -77,16 +78,13 @@ def _build(layout: str, initial_scale=2.0**15, growth_steps=2000) -> keras.Model
         optimizer = _inner()
     else:
         model = keras.Model(inputs, outputs)
-        if layout == "compiled":
+        if layout == "compiled":  # mixed_bfloat16: no loss scale
             optimizer = GradientAccumulateOptimizer(_inner(), accum_steps=K)
-        elif layout == "outer":
-            optimizer = LSO(GradientAccumulateOptimizer(_inner(), K), **scaler)
         else:
             optimizer = GradientAccumulateOptimizer(LSO(_inner(), **scaler), K)
-            if layout == "inner_unwrapped":
-                compile_kwargs["auto_scale_loss"] = False
+            compile_kwargs["auto_scale_loss"] = False
     model.compile(optimizer=optimizer, loss=utils.sparse_ce(), **compile_kwargs)
-    if layout in ("model", "compiled") and isinstance(model.optimizer, LSO):
+    if layout == "model" and isinstance(model.optimizer, LSO):
         # compile() built this one with Keras' defaults.
         model.optimizer.initial_scale = initial_scale
         model.optimizer.dynamic_growth_steps = growth_steps
@@ -96,14 +94,7 @@ def _build(layout: str, initial_scale=2.0**15, growth_steps=2000) -> keras.Model
 def _scaler(model: keras.Model) -> LSO:
     """The LossScaleOptimizer whose scale the model's loss is multiplied by."""
     optimizer = model.optimizer
-    if not isinstance(optimizer, LSO):  # inner_unwrapped
-        return optimizer.inner_optimizer
-    inner = optimizer.inner_optimizer
-    if isinstance(inner, GradientAccumulateOptimizer) and isinstance(
-        inner.inner_optimizer, LSO
-    ):  # inner: the user's scaler, under compile's pass-through shell
-        return inner.inner_optimizer
-    return optimizer
+    return optimizer if isinstance(optimizer, LSO) else optimizer.inner_optimizer
 
 
 def _sgd(model: keras.Model):
@@ -169,7 +160,7 @@ def test_close_to_float32_big_batch(policy, layout):
         assert not isinstance(model.optimizer, LSO)
 
 
-@pytest.mark.parametrize("layout", ["model", "compiled", "inner_unwrapped"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_scale_change_mid_cycle_keeps_units(layout):
     """Each micro-batch is unscaled by the scale it was computed with: halving
     the scale after every micro-batch leaves the result unchanged."""
@@ -256,11 +247,11 @@ def test_dynamic_scale_growth_counts_updates(layout):
 
 
 # ----------------------------------------------------------------- saving
-@pytest.mark.parametrize("layout", ["model", "compiled", "outer"])
-def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
-    """Under mixed_float16 a .keras file saved mid-cycle loads without
-    custom_objects, keeps the loss scale state and the pending buffers, and
-    resumes to the uninterrupted run's weights."""
+def test_keras_file_saved_mid_cycle_resumes_exactly(tmp_path):
+    """Under mixed_float16 a .keras file of the model wrapper saved mid-cycle
+    loads without custom_objects, keeps the loss scale state and the pending
+    buffers, and resumes to the uninterrupted run's weights."""
+    layout = "model"
     x, y = utils.classification_data(3 * CYCLE // 2)  # 6 micro-batches
     kwargs = {"initial_scale": 2.0**10, "growth_steps": 1}
 
@@ -280,16 +271,11 @@ def test_keras_file_saved_mid_cycle_resumes_exactly(layout, tmp_path):
     keras.mixed_precision.set_global_policy("mixed_float16")
     loaded = keras.models.load_model(path)
     assert isinstance(loaded.optimizer, LSO) and isinstance(model.optimizer, LSO)
-    if layout != "model":
-        assert type(loaded.optimizer.inner_optimizer) is GradientAccumulateOptimizer
     assert loaded.layers[-1].compute_dtype == "float16"
     scaler = _scaler(loaded)
     assert float(scaler.dynamic_scale) == 2.0**11
     assert int(scaler.step_counter) == 0
-    if layout == "outer":
-        assert scaler.dynamic_growth_steps == 1
-    else:
-        scaler.dynamic_growth_steps = 1
+    scaler.dynamic_growth_steps = 1
     for saved, restored in zip(
         utils.accumulator(model).variables, utils.accumulator(loaded).variables
     ):
@@ -311,30 +297,57 @@ def test_mixed_precision_example_quick():
     assert verdict(result).startswith("OK: under mixed_float16"), describe(result)
 
 
-def test_other_loss_scale_optimizers_stay_keras_own():
-    """Only a LossScaleOptimizer that wraps an accumulating optimizer hands it
-    whole cycles (that one instance); Keras' class and every other instance
-    are untouched."""
+REFUSED = "A LossScaleOptimizer cannot wrap a GradientAccumulateOptimizer"
+
+
+@pytest.mark.parametrize("how", ["compile", "explicit", "inner_auto_scaled"])
+def test_loss_scaler_around_the_optimizer_wrapper_is_refused(how):
+    """A LossScaleOptimizer around the optimizer wrapper would check, skip and
+    grow per micro-batch: it is refused when it is made, with the layouts
+    that work. Without a scaler (mixed_bfloat16) compile accepts the
+    wrapper."""
     keras.mixed_precision.set_global_policy("mixed_float16")
-    accumulating = _build("compiled")
-    plain = utils.plain_model()
-    plain.compile(optimizer=_inner(), loss=utils.sparse_ce())
-    x, y = utils.classification_data(CYCLE)
-    for model in (accumulating, plain):
-        utils.fit(model, x, y, B)
-    assert type(plain.optimizer) is LSO
-    assert type(accumulating.optimizer) is not LSO
-    assert isinstance(accumulating.optimizer, LSO)
-    assert LSO.apply.__module__ == LSO.__module__
-    assert LSO.scale_loss.__module__ == LSO.__module__
+    accumulating = GradientAccumulateOptimizer(_inner(), K)
+    model = utils.plain_model()
+    with pytest.raises(TypeError, match=REFUSED) as refused:
+        if how == "explicit":
+            LSO(accumulating)
+        elif how == "inner_auto_scaled":
+            inner = GradientAccumulateOptimizer(LSO(_inner()), K)
+            model.compile(optimizer=inner, loss=utils.sparse_ce())
+        else:
+            model.compile(optimizer=accumulating, loss=utils.sparse_ce())
+    message = str(refused.value)
+    assert "GradientAccumulateModel" in message and "accumulate(model)" in message
+    assert "auto_scale_loss=False" in message
+
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = utils.plain_model()
+    model.compile(optimizer=accumulating, loss=utils.sparse_ce())
+    assert model.optimizer is accumulating
+
+
+def test_inner_scaler_file_needs_auto_scale_loss_again(tmp_path):
+    """Keras saves no ``auto_scale_loss``: loading a plain model compiled
+    with ``GradientAccumulateOptimizer(LossScaleOptimizer(...))`` re-runs
+    compile with a scaler around it, which is refused by the same message;
+    weights load with ``compile=False``."""
+    model = _mixed("mixed_float16", "inner")
+    utils.fit(model, *utils.classification_data(CYCLE), B)
+    path = tmp_path / "inner.keras"
+    model.save(path)
+    with pytest.raises(TypeError, match=REFUSED):
+        keras.models.load_model(path)
+    loaded = keras.models.load_model(path, compile=False)
+    utils.assert_same_weights(utils.weights(loaded), utils.weights(model), 0.0)
 
 
 @pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
 def test_static_loss_scale_factor_of_the_wrapped_optimizer(policy):
     """``SGD(loss_scale_factor=128)`` inside the optimizer wrapper trains as
     plain Keras does with it on the big batch: scaled and unscaled once in
-    float32, replaced by the dynamic scale under mixed_float16 (Keras resets
-    the factor of the optimizer its LossScaleOptimizer wraps)."""
+    float32, replaced by the dynamic scale of a LossScaleOptimizer under
+    mixed_float16 (Keras resets the factor of the optimizer it wraps)."""
     x, y = utils.classification_data(2 * CYCLE)
     keras.mixed_precision.set_global_policy(policy)
     reference = utils.seeded(utils.plain_model)
@@ -345,12 +358,17 @@ def test_static_loss_scale_factor_of_the_wrapped_optimizer(policy):
     initial = utils.weights(reference)
     reference.fit(x, y, batch_size=CYCLE, shuffle=False, verbose=0)
     model = utils.seeded(utils.plain_model)
-    model.compile(
-        optimizer=GradientAccumulateOptimizer(
-            keras.optimizers.SGD(LR, loss_scale_factor=128.0), K
-        ),
-        loss=utils.sparse_ce(),
-    )
+    sgd = keras.optimizers.SGD(LR, loss_scale_factor=128.0)
+    if policy == "float32":
+        model.compile(
+            optimizer=GradientAccumulateOptimizer(sgd, K), loss=utils.sparse_ce()
+        )
+    else:  # the scaler inside, as compile would put it around SGD
+        model.compile(
+            optimizer=GradientAccumulateOptimizer(LSO(sgd), K),
+            loss=utils.sparse_ce(),
+            auto_scale_loss=False,
+        )
     utils.fit(model, x, y, B)
     utils.assert_trained(initial, utils.weights(reference), min_change=1e-2)
     atol = utils.ATOL if policy == "float32" else F16_ATOL
@@ -369,7 +387,7 @@ def _overflows(model: keras.Model, x, y, scale: float) -> bool:
     return not all(bool(tf.reduce_all(tf.math.is_finite(g))) for g in grads)
 
 
-@pytest.mark.parametrize("mode", ["streaming", "in-step", "outer", "inner"])
+@pytest.mark.parametrize("mode", ["streaming", "in-step", "optimizer"])
 def test_float16_skips_no_cycle_the_big_batch_applies(mode):
     """At the largest loss scale at which the big batch's float16 backward
     pass stays finite, a micro-batch's own mean loss (each sample weighing
@@ -377,7 +395,7 @@ def test_float16_skips_no_cycle_the_big_batch_applies(mode):
     each micro-batch's loss by its share of the cycle first, so they apply
     every cycle the big batch applies, with the big batch's scale and
     weights (model wrapper streaming and in-step; the optimizer wrapper
-    inside and around the LossScaleOptimizer).
+    around the LossScaleOptimizer).
 
     The data make the per-sample gradients the largest of the backward
     pass, which the share multiplies: one input (near zero) with labels
@@ -402,9 +420,9 @@ def test_float16_skips_no_cycle_the_big_batch_applies(mode):
         def scaled(optimizer):
             return LSO(optimizer, initial_scale=scale, dynamic_growth_steps=1000)
 
-        def compiled(build, optimizer):
+        def compiled(build, optimizer, **kwargs):
             model = utils.seeded(build)
-            model.compile(optimizer=optimizer, loss=utils.sparse_ce())
+            model.compile(optimizer=optimizer, loss=utils.sparse_ce(), **kwargs)
             return model
 
         big = compiled(lambda: utils.plain_model(layers), scaled(_inner()))
@@ -416,12 +434,11 @@ def test_float16_skips_no_cycle_the_big_batch_applies(mode):
                 lambda: utils.accumulating_model(layers, **settings), scaled(_inner())
             )
         else:
-            optimizer = (
-                scaled(GradientAccumulateOptimizer(_inner(), K))
-                if mode == "outer"
-                else GradientAccumulateOptimizer(scaled(_inner()), K)
+            ours = compiled(
+                lambda: utils.plain_model(layers),
+                GradientAccumulateOptimizer(scaled(_inner()), K),
+                auto_scale_loss=False,
             )
-            ours = compiled(lambda: utils.plain_model(layers), optimizer)
         ours.fit(x, y, batch_size=batch, shuffle=False, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
