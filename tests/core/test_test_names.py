@@ -20,7 +20,6 @@ VERBATIM = {"test_05_suite.py"}
 NOT_YET_MERGED = {
     "test_micro_batch_of_padding_contributes_nothing",
     "test_mirrored_strategy_pools_every_replica",
-    "test_stop_accumulating_returns_it_to_plain_training",
 }
 
 
