@@ -18,7 +18,6 @@ VERBATIM = {"test_05_suite.py"}
 # helpers and parameters differ per Keras). This list only shrinks: a name
 # that stops being in both folders fails the test until it is taken out.
 NOT_YET_MERGED = {
-    "test_micro_batch_of_padding_contributes_nothing",
     "test_mirrored_strategy_pools_every_replica",
 }
 
