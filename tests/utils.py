@@ -186,6 +186,18 @@ def classification_data(n: int = 64, dim: int = 8, classes: int = 3, seed: int =
     return x, y
 
 
+def heterogeneous(n_micro: int, micro: int, shape, seed: int = 0) -> np.ndarray:
+    """``n_micro`` micro-batches of ``micro`` samples, each with its own
+    per-channel mean (from -4 to 6) and standard deviation (0.05 to 4)."""
+    rng = np.random.default_rng(seed)
+    parts = []
+    for _ in range(n_micro):
+        loc = rng.uniform(-4, 6, size=shape[-1])
+        scale = rng.uniform(0.05, 4, size=shape[-1])
+        parts.append(rng.normal(loc, scale, size=(micro, *shape)))
+    return np.concatenate(parts).astype("float32")
+
+
 def sparse_ce(**kwargs) -> keras.losses.Loss:
     """Sparse categorical cross-entropy on logits, the loss most tests use."""
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)

@@ -1,8 +1,9 @@
 """``accumulate(model)`` and ``stop_accumulating``, in each Keras: a model
 compiled before it accumulates at its next ``fit``; the model wrapper over
-the optimizer wrapper warns and updates every product; what they refuse,
-and how they say so. (Exactness, saving and undo per Keras:
-tests/keras3/test_accumulate.py, tests/keras2/test_accumulate.py.)"""
+the optimizer wrapper warns and updates every product; ``stop_accumulating``
+returns a model to plain training; what they refuse, and how they say so.
+(Exactness and saving per Keras: tests/keras3/test_accumulate.py,
+tests/keras2/test_accumulate.py.)"""
 
 from __future__ import annotations
 
@@ -98,6 +99,50 @@ def test_model_wrapper_with_optimizer_wrapper_warns_and_updates_every_product():
     with pytest.warns(UserWarning, match="every 6 micro-batches") as warned:
         accumulate(compiled, accum_steps=3)
     assert warned[0].filename == __file__
+
+
+# ----------------------------------------------------------------- undo
+@pytest.mark.parametrize("flush", [True, False], ids=["flush", "drop"])
+@pytest.mark.parametrize("kind", ["functional", "sequential"])
+def test_stop_accumulating_returns_it_to_plain_training(kind, flush, tmp_path):
+    """The pending cycle is applied (or, with ``flush=False``, dropped), the
+    class is the model's own again, no accumulation state is left in it,
+    and it trains (one update per batch), saves and accumulates again as a
+    plain model."""
+    build = {"functional": utils.plain_model, "sequential": utils.sequential_mlp}
+    plain = utils.seeded(build[kind])
+    own = type(plain)
+    model = accumulate(utils.seeded(build[kind]), accum_steps=K, flush_at_end=False)
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain), 0.0)
+    assert type(model)._accumulated_class is own
+    for m in (plain, model):
+        _compile(m)
+    x, y = utils.classification_data(48)
+    utils.fit(model, x[:24], y[:24], B)
+    assert model._accumulator.pending == 2
+    assert stop_accumulating(model, flush=flush) is model
+    assert type(model) is own
+    assert not isinstance(model, GradientAccumulateModel)
+    assert not hasattr(model, "_accumulator")
+    assert "_accumulator" not in model._trackable_children()
+    assert "accum_steps" not in model.get_config()
+    # Batches of 16 and 8: the same updates (without the 8 when dropped).
+    n = 24 if flush else 16
+    utils.fit(plain, x[:n], y[:n], B * K)
+    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
+
+    for m in (plain, model):
+        _compile(m)
+    utils.fit(model, x[24:], y[24:], B)
+    utils.fit(plain, x[24:], y[24:], B)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
+    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
+
+    path = tmp_path / "plain.keras"
+    model.save(path)
+    assert type(keras.models.load_model(path)) is own
+    # And it can accumulate again.
+    assert isinstance(accumulate(model, accum_steps=2), GradientAccumulateModel)
 
 
 # ------------------------------------------------------------- refusals

@@ -1,8 +1,9 @@
 """Weighted micro-batches, in each Keras: per-sample weights passed to
 ``fit`` and masked tokens give the big batch's weights, and the weighting
-matters for the outcome. (Once the same tests in
-tests/keras3/test_model_weighting.py and tests/keras2/test_model.py; the
-other weighting tests, per Keras, stay there.)"""
+matters for the outcome; a micro-batch of padding alone adds nothing. (Once
+the same tests in tests/keras3/test_model_weighting.py,
+tests/keras2/test_model.py and each Keras' test_denominators.py; the other
+weighting tests, per Keras, stay there.)"""
 
 from __future__ import annotations
 
@@ -145,3 +146,79 @@ def test_masked_sequences_match_big_batch(case):
         sample_weight=sample_weight,
     )
     utils.assert_equivalent(initial, reference, accumulated, EPOCHS * len(x) // (B * K))
+
+
+# ------------------------------------------------ a micro-batch of padding
+PAD_VOCAB, PAD_LENGTH = 16, 10
+# Each Keras' in-step mode (micro_batch_size) too; tf-keras has none.
+PADDING_MODES = ["streaming"] if LEGACY_KERAS else ["streaming", "in_step"]
+
+
+def _padded_corpus(seed: int = 0):
+    """N sequences of 1-10 real tokens (0 pads after them), a token target
+    per position and a sequence target, with micro-batch 1 (samples 8-15)
+    all padding: a masked mean of that micro-batch alone divides 0 by 0,
+    while every big batch still holds real tokens."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((N, PAD_LENGTH), "int32")
+    for i, length in enumerate(rng.integers(1, PAD_LENGTH + 1, size=N)):
+        x[i, :length] = rng.integers(1, PAD_VOCAB, size=length)
+    y = {
+        "tokens": rng.integers(0, PAD_VOCAB, size=(N, PAD_LENGTH)),
+        "sequence": rng.integers(0, 2, size=N),
+    }
+    x[B : 2 * B] = 0
+    return x, y
+
+
+def _token_head():
+    """A token head over masked embeddings (Embedding(mask_zero=True)) and a
+    dense trunk."""
+    names = ("tokens", "sequence")
+    inputs, outputs = utils.pretraining_layers(PAD_VOCAB, PAD_LENGTH, names)
+    return inputs, outputs["tokens"]
+
+
+def _token_and_sequence_heads():
+    """The masked token head beside a sequence head pooled from unmasked
+    embeddings (a masked mean over padding alone is 0 / 0 in the big batch
+    too)."""
+    return utils.padding_heads(PAD_VOCAB, PAD_LENGTH, "tokens", "sequence")
+
+
+@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
+@pytest.mark.parametrize("mode", PADDING_MODES)
+@pytest.mark.parametrize("heads", ["tokens", "tokens+sequences"])
+def test_micro_batch_of_padding_contributes_nothing(heads, mode, run_eagerly):
+    """A micro-batch without one unmasked token adds nothing to its cycle
+    (weight 0, no NaN), as its rows add nothing to the big batch's masked
+    mean, and every cycle applies, as the big batch's do; before, its NaN
+    loss (0 / 0) times weight 0 stayed NaN and the finite check dropped the
+    whole cycle with its three good micro-batches (1 update of 2). The
+    logged losses are finite."""
+    x, y = _padded_corpus()
+    if heads == "tokens":
+        layers, y = _token_head, y["tokens"]
+        make_loss = utils.sparse_ce
+    else:
+        layers = _token_and_sequence_heads
+
+        def make_loss():
+            return {"tokens": utils.sparse_ce(), "sequence": utils.sparse_ce()}
+
+    sgd = lambda: keras.optimizers.SGD(0.5, momentum=0.5)  # noqa: E731
+    reference = utils.seeded(lambda: utils.plain_model(layers))
+    initial = utils.weights(reference)
+    reference.compile(optimizer=sgd(), loss=make_loss())
+    utils.fit(reference, x, y, B * K)
+
+    if mode == "streaming":
+        settings, batch = {"accum_steps": K}, B
+    else:  # each fit batch of B * K in slices of B: one update
+        settings, batch = {"accum_steps": 1, "micro_batch_size": B}, B * K
+    accumulated = utils.seeded(lambda: utils.accumulating_model(layers, **settings))
+    assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
+    accumulated.compile(optimizer=sgd(), loss=make_loss(), run_eagerly=run_eagerly)
+    history = utils.fit(accumulated, x, y, batch)
+    utils.assert_equivalent(initial, reference, accumulated, N // (B * K))
+    assert np.isfinite(history.history["loss"]).all()

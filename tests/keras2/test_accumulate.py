@@ -3,7 +3,7 @@ a ``Sequential``, a subclass with its own ``call`` and one with its own
 ``compute_loss`` are made accumulating in place and train as plain tf-keras
 on the big batch; they keep their class and weights lists, save as the plain
 model does (``.keras`` and SavedModel load back accumulating, ``.h5`` as the
-model's own class), and ``stop_accumulating`` gives the class back."""
+model's own class). ``stop_accumulating``: tests/both/test_accumulate.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import tf_keras
 from gradient_accumulator import (
     GradientAccumulateModel,
     accumulate,
-    stop_accumulating,
 )
 from tests.keras2 import utils
 
@@ -191,35 +190,3 @@ def test_weights_file_is_the_plain_models(tmp_path):
     model.save_weights(tmp_path / "w.h5")
     plain.load_weights(tmp_path / "w.h5")
     utils.assert_same_weights(plain.get_weights(), model.get_weights(), 0.0)
-
-
-# ---------------------------------------------------------------------- undo
-@pytest.mark.parametrize("flush", [True, False])
-def test_stop_accumulating_returns_it_to_plain_training(flush, tmp_path):
-    """The pending cycle is applied (or dropped), the class is the model's
-    own again, no accumulation state is left in it, and it trains, saves and
-    accumulates again as a plain model."""
-    plain, model = _pair("sequential", accum_steps=K, flush_at_end=False)
-    for m in (plain, model):
-        _compile(m, "sequential")
-    x, y = utils.classification_data(48)
-    utils.fit(model, x[:24], y[:24], B)
-    assert model._accumulator.pending == 2
-    assert stop_accumulating(model, flush=flush) is model
-    assert type(model) is tf_keras.Sequential
-    assert not hasattr(model, "_accumulator")
-    assert "_accumulator" not in model._trackable_children()
-    assert "accum_steps" not in model.get_config()
-    # Batches of 16 and 8: the same updates (without the 8 when dropped).
-    utils.fit(plain, x[: 24 if flush else 16], y[: 24 if flush else 16], B * K)
-    _same(model, plain)
-
-    for m in (plain, model):
-        _compile(m, "sequential")
-    utils.fit(model, x[24:], y[24:], B)
-    utils.fit(plain, x[24:], y[24:], B)
-    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
-    _same(model, plain)
-    model.save(tmp_path / "plain.keras")
-    assert type(tf_keras.models.load_model(tmp_path / "plain.keras")) is type(model)
-    assert isinstance(accumulate(model, accum_steps=2), GradientAccumulateModel)

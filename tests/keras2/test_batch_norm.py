@@ -2,7 +2,7 @@
 are those of tf-keras' BatchNormalization trained on the concatenated big
 batch; mid-cycle they do not move; it saves like any tf-keras layer; and one
 channels-last instance may be reused on inputs of different ranks, as 0.5.x
-allowed."""
+allowed. (Under MirroredStrategy, in either Keras: tests/both/test_batch_norm.py.)"""
 
 import numpy as np
 import pytest
@@ -127,14 +127,3 @@ def test_one_layer_after_a_conv2d_and_after_a_dense_as_0_5_allowed():
     mean, variance = norm.moving_mean.numpy(), norm.moving_variance.numpy()
     assert np.all(np.isfinite(mean)) and np.any(mean != 0)
     assert np.all(variance > 0)
-
-
-def test_mirrored_strategy_pools_every_replica(mirrored):
-    strategy = mirrored
-    x, y = _data((6,))
-    with strategy.scope():
-        model = _accumulated((6,))
-    model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
-    want = _big_batch((6,), x, y, epochs=2)
-    for got, expected in zip(_statistics(model), want):
-        np.testing.assert_allclose(got, expected, atol=ATOL, rtol=1e-5)

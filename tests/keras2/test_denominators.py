@@ -5,6 +5,7 @@ A token head averaged over the unmasked tokens (Embedding(mask_zero=True))
 beside a sequence head averaged over the sequences, and a ``"sum"`` beside a
 mean: each denominator's gradients are summed apart and divided by their own
 total at the cycle's end, as in the Keras 3 hosts (``Engine.part``).
+A micro-batch of padding alone, in either Keras: tests/both/test_weighting.py.
 """
 
 from __future__ import annotations
@@ -149,38 +150,6 @@ def _one_padding_micro_batch(seed: int = 0):
 def _tokens_only():
     inputs, outputs = _pretraining()
     return inputs, outputs["tokens"]
-
-
-def _unmasked_sequence_head():
-    return utils.padding_heads(VOCAB, LENGTH, "tokens", "sequence")
-
-
-@pytest.mark.parametrize(
-    ("layers", "losses"),
-    [
-        (_tokens_only, lambda: utils.sparse_ce()),
-        (_unmasked_sequence_head, _losses()),
-    ],
-    ids=["tokens", "tokens+sequences"],
-)
-@pytest.mark.parametrize("run_eagerly", [False, True], ids=["graph", "eager"])
-def test_micro_batch_of_padding_contributes_nothing(layers, losses, run_eagerly):
-    """A micro-batch without one unmasked token adds nothing to its cycle,
-    as its rows add nothing to the big batch's masked mean; before, its NaN
-    loss (0 / 0) times weight 0 stayed NaN and the finite check dropped the
-    whole cycle with its three good micro-batches (1 update of 2)."""
-    x, y = _one_padding_micro_batch()
-    if layers is _tokens_only:
-        y = y["tokens"]
-    sgd = lambda: tf_keras.optimizers.SGD(0.5, momentum=0.5)  # noqa: E731
-    initial, reference = utils.big_batch(
-        sgd, x, y, layers=layers, make_loss=losses, epochs=1
-    )
-    accumulated = utils.seeded(lambda: utils.accumulating_model(layers, accum_steps=K))
-    accumulated.compile(optimizer=sgd(), loss=losses(), run_eagerly=run_eagerly)
-    history = utils.fit(accumulated, x, y, B)
-    utils.assert_equivalent(initial, reference, accumulated, N // (B * K))
-    assert np.isfinite(history.history["loss"]).all()
 
 
 def test_nan_from_the_data_still_skips_its_cycle():

@@ -289,37 +289,6 @@ def test_unknown_length_dataset_over_several_epochs_equals_big_batch():
 
 
 # ---------------------------------------------------------------- undo
-def test_stop_accumulating_returns_it_to_plain_training(tmp_path):
-    """Pending micro-batches are flushed, the class is the original again, and
-    further training is plain Keras' (one update per batch)."""
-    plain, model = _pair("functional", accum_steps=K, flush_at_end=False)
-    x, y = utils.classification_data(48)
-    for m in (plain, model):
-        _compile(m, "functional")
-    utils.fit(model, x[:24], y[:24], B)
-    assert model._accumulator.pending == 2
-    own = type(model)._accumulated_class
-    assert stop_accumulating(model) is model
-    assert type(model) is own
-    assert not isinstance(model, GradientAccumulateModel)
-    assert "accum_steps" not in model.get_config()
-    utils.fit(plain, x[:24], y[:24], B * K)  # batches of 16 and 8: the same updates
-    utils.assert_same_weights(utils.weights(model), utils.weights(plain))
-
-    for m in (plain, model):
-        _compile(m, "functional")
-    utils.fit(model, x[24:], y[24:], B)
-    utils.fit(plain, x[24:], y[24:], B)
-    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations) == 6
-    utils.report(utils.assert_same_weights(utils.weights(model), utils.weights(plain)))
-
-    path = tmp_path / "plain.keras"
-    model.save(path)
-    assert type(keras.models.load_model(path)) is own
-    # And it can accumulate again.
-    assert isinstance(accumulate(model, accum_steps=2), GradientAccumulateModel)
-
-
 def test_stop_accumulating_without_flush_drops_the_partial_cycle():
     plain, model = _pair("sequential", accum_steps=K, flush_at_end=False)
     x, y = utils.classification_data(24)

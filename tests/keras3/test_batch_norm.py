@@ -4,12 +4,12 @@ The reference for the moving statistics is always
 ``keras.layers.BatchNormalization`` trained on the concatenated big batches.
 Micro-batches are drawn with very different means and variances, so that the
 0.5.x approach (averaging micro-batch variances) would be far off; every such
-test also checks that it would be.
+test also checks that it would be. (Under MirroredStrategy, in either
+Keras: tests/both/test_batch_norm.py.)
 """
 
 from __future__ import annotations
 
-import json
 import re
 
 import keras
@@ -24,29 +24,21 @@ from gradient_accumulator import (
     replace_batchnorm_layers,
 )
 from tests.processes import (
-    REPO,
     assert_quiet,
     describe,
     run_like_a_user,
-    run_script,
     verdict,
 )
-from tests.utils import ATOL, assert_same_weights, assert_trained, seeded, weights
+from tests.utils import (
+    assert_same_weights,
+    assert_trained,
+    heterogeneous,
+    seeded,
+    weights,
+)
 
 STAT_TOL = 1e-5
 MOMENTUM = 0.5  # small, so that the last cycles dominate and errors show
-
-
-def heterogeneous(n_micro: int, micro: int, shape, seed: int = 0) -> np.ndarray:
-    """``n_micro`` micro-batches of ``micro`` samples, each with its own
-    per-channel mean (from -4 to 6) and standard deviation (0.05 to 4)."""
-    rng = np.random.default_rng(seed)
-    parts = []
-    for _ in range(n_micro):
-        loc = rng.uniform(-4, 6, size=shape[-1])
-        scale = rng.uniform(0.05, 4, size=shape[-1])
-        parts.append(rng.normal(loc, scale, size=(micro, *shape)))
-    return np.concatenate(parts).astype("float32")
 
 
 def moving_stats(layer) -> list[np.ndarray]:
@@ -505,23 +497,6 @@ def test_replaced_model_trains_in_gradient_accumulate_model():
     assert all(layer._accumulator.leader is converted._accumulator for layer in layers)
     after = [moving_stats(layer) for layer in layers]
     assert all(np.abs(a[0] - b[0]).max() > 0 for a, b in zip(before, after))
-
-
-# --------------------------------------------------------- MirroredStrategy
-
-
-def test_mirrored_strategy_pools_every_replica():
-    process = run_script(str(REPO / "tests" / "bn_mirrored_child.py"), timeout=240)
-    assert process.returncode == 0, describe(process)
-    stdout = process.stdout
-    result = json.loads(stdout.strip().splitlines()[-1])
-    assert result["replicas"] == 2
-    for name in ("model", "model_synchronized", "optimizer"):
-        assert result[f"{name}_stats"] <= STAT_TOL, result
-    # synchronized=True normalises each step over both replicas' halves: the
-    # weights are those of one device seeing the whole global micro-batch.
-    assert result["model_synchronized_weights"] <= ATOL, result
-    assert result["model_local_vs_global_weights"] > 10 * ATOL, result
 
 
 # ---------------------------------------------------------------- example

@@ -8,6 +8,7 @@ batch's gradient is, per head, the head's summed gradient over the cycle
 divided by the head's total over the cycle, so ``GradientAccumulateModel``
 keeps one gradient sum per denominator (``Engine.part``) and divides each by
 its own total at the cycle's end.
+A micro-batch of padding alone, in either Keras: tests/both/test_weighting.py.
 """
 
 from __future__ import annotations
@@ -233,31 +234,3 @@ def test_resumes_mid_cycle_with_its_parts(tmp_path, how):
     fit_part(second, slice(8, 16))
     assert int(second.optimizer.iterations) == 1
     utils.assert_same_weights(utils.weights(second), utils.weights(whole), atol=1e-6)
-
-
-def _padding_heads():
-    return utils.padding_heads(VOCAB, LENGTH, "mlm", "nsp")
-
-
-def _mlm_head():
-    tokens, outputs = _padding_heads()
-    return tokens, outputs["mlm"]
-
-
-@MODES
-@pytest.mark.parametrize("heads", ["mlm", "mlm+nsp"])
-def test_micro_batch_of_padding_contributes_nothing(heads, micro_batch_size):
-    """Micro-batch 1 is all padding: it adds nothing to its cycle (weight
-    0, no NaN), and every cycle applies, as the big batch's do."""
-    x, y, _ = _corpus(padded=True)
-    x[MICRO : 2 * MICRO] = 0
-    losses = {"mlm": utils.sparse_ce(), "nsp": utils.sparse_ce()}
-    if heads == "mlm":
-        layers = _mlm_head
-        y, make_loss = y["mlm"], lambda: losses["mlm"]
-    else:
-        layers, make_loss = _padding_heads, lambda: losses
-    initial, reference, accumulated = _pair(
-        layers, make_loss, x, y, None, micro_batch_size, n=len(x)
-    )
-    _exact(initial, reference, accumulated)

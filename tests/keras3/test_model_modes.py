@@ -1,9 +1,9 @@
 """Compile/fit modes of GradientAccumulateModel, against plain Keras.
 
-XLA (``jit_compile=True``), ``steps_per_execution`` (cycles crossing
-execution boundaries), ``accum_steps=1`` (must be plain Keras, bit for bit) and
-the loss / metrics that ``fit`` logs (the real training loss, not a loss
-scaled by ``1 / accum_steps``).
+``steps_per_execution`` (cycles crossing execution boundaries),
+``accum_steps=1`` (must be plain Keras, bit for bit) and the loss / metrics
+that ``fit`` logs (the real training loss, not a loss scaled by
+``1 / accum_steps``). XLA (``jit_compile=True``): tests/both/test_xla.py.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from tensorflow.python.framework import config as tf_config
 
 from tests import utils
 
@@ -30,37 +28,6 @@ def _assert_big_batch(initial, reference, accumulated, n: int) -> None:
     )
     utils.report(diff, "max |w_accum - w_reference|")
     assert int(accumulated.optimizer.iterations) == EPOCHS * n // (B * K)
-
-
-# ---------------------------------------------------------------------- XLA
-def test_jit_compile_matches_big_batch():
-    """With jit_compile=True the XLA-compiled accumulating train step gives
-    the big batch's weights (op determinism is off: Keras refuses XLA with
-    it)."""
-    n = 64
-    x, y = utils.classification_data(n)
-    tf_config.disable_op_determinism()
-    try:
-        reference = utils.seeded(utils.plain_model)
-        initial = utils.weights(reference)
-        reference.compile(optimizer=keras.optimizers.Adam(0.01), loss=utils.sparse_ce())
-        utils.fit(reference, x, y, B * K, EPOCHS)
-
-        accumulated = utils.seeded(lambda: utils.accumulating_model(accum_steps=K))
-        assert utils.max_abs_diff(initial, utils.weights(accumulated)) == 0.0
-        accumulated.compile(
-            optimizer=keras.optimizers.Adam(0.01),
-            loss=utils.sparse_ce(),
-            jit_compile=True,
-        )
-        assert accumulated.jit_compile is True
-        utils.fit(accumulated, x, y, B, EPOCHS)
-        assert accumulated.jit_compile is True
-    finally:
-        tf.config.experimental.enable_op_determinism()
-
-    utils.assert_trained(initial, utils.weights(accumulated))
-    _assert_big_batch(initial, reference, accumulated, n)
 
 
 # -------------------------------------------------------- steps_per_execution
