@@ -8,6 +8,7 @@ imports this checkout), on the CPU, with a bounded wait, and is killed in a
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -37,13 +38,24 @@ print("RESULT", json.dumps(result))
 """
 
 
-def on_two_cpus(module: str, function: str, timeout: float = 300):
-    """``module.function()`` (JSON-able) run in a child process whose CPU is
-    split into two logical devices before TensorFlow starts (a test session
-    has started it already), with a bounded wait."""
+def on_two_cpus(function, timeout: float = 300):
+    """``function()`` (a module-level function returning JSON-able data) run
+    where the CPU is two logical devices: in this process in a tf-keras
+    session (``tests/conftest.py`` split its CPU), else in a child process
+    whose CPU is split before TensorFlow starts (a Keras 3 session has
+    started it already), with a bounded wait."""
+    from tests.flavour import LEGACY_KERAS
     from tests.processes import describe, run_script
 
-    child = run_script("-c", _TWO_CPUS_CHILD, module, function, timeout=timeout)
+    if LEGACY_KERAS:
+        return function()
+    # The module by its path from the repository root (pytest may have
+    # imported it under a shorter name).
+    path = Path(inspect.getsourcefile(function)).resolve().relative_to(REPO)
+    module = ".".join(path.with_suffix("").parts)
+    child = run_script(
+        "-c", _TWO_CPUS_CHILD, module, function.__name__, timeout=timeout
+    )
     assert child.returncode == 0, describe(child)
     line = next(s for s in child.stdout.splitlines() if s.startswith("RESULT"))
     return json.loads(line.split(" ", 1)[1])

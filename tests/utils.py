@@ -149,6 +149,21 @@ def padded_sequences(lengths, seed=0):
     return x, y
 
 
+def token_corpus(n: int, length: int, vocab: int, seed: int = 0):
+    """``n`` sequences of 1 to ``length`` real tokens (ids 1..vocab-1, 0 pads
+    after them): micro-batches with very different token counts; targets
+    ``{"tokens": one per position, "sequence": one of 2 per sequence}``."""
+    rng = np.random.default_rng(seed)
+    x = np.zeros((n, length), "int32")
+    for i, real in enumerate(rng.integers(1, length + 1, size=n)):
+        x[i, :real] = rng.integers(1, vocab, size=real)
+    y = {
+        "tokens": rng.integers(0, vocab, size=(n, length)),
+        "sequence": rng.integers(0, 2, size=n),
+    }
+    return x, y
+
+
 def multi_io_layers():
     """Two inputs ("a": 8, "b": 4), two outputs ("cls": 3 logits, "reg": 1)."""
     a = keras.Input((8,), name="a")

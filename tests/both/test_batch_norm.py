@@ -164,12 +164,7 @@ def mirrored_batch_norm() -> dict:
 
 
 def test_mirrored_strategy_pools_every_replica():
-    if LEGACY_KERAS:  # tests/conftest.py made two logical CPUs
-        result = mirrored_batch_norm()
-    else:
-        result = dist_utils.on_two_cpus(
-            "tests.both.test_batch_norm", "mirrored_batch_norm"
-        )
+    result = dist_utils.on_two_cpus(mirrored_batch_norm)
     assert result["replicas"] == 2
     names = ["model", "optimizer"] + ([] if LEGACY_KERAS else ["model_synchronized"])
     for name in names:

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gradient_accumulator import GradientAccumulateModel, accumulate, verify
 from tests import dist_utils
-from tests.flavour import LEGACY_KERAS, keras
+from tests.flavour import keras
 from tests.utils import max_abs_diff
 
 N = 32  # a fit batch: the negatives of each sample
@@ -341,10 +341,7 @@ def test_mirrored_strategy_negatives_per_replica_or_gathered():
     gathered ones ("global") equal the single-device whole batch, which
     plain Keras under a strategy does not offer; the two differ
     measurably (so neither comparison is vacuous)."""
-    if LEGACY_KERAS:  # tests/conftest.py made two logical CPUs
-        gaps = mirrored_gaps()
-    else:
-        gaps = dist_utils.on_two_cpus("tests.both.test_gradient_cache", "mirrored_gaps")
+    gaps = dist_utils.on_two_cpus(mirrored_gaps)
     for gap in gaps.values():
         assert gap["iterations"] == [UPDATES, UPDATES], gaps
         assert gap["per_replica"] <= TOL, gaps

@@ -236,12 +236,7 @@ def _mirrored_gaps() -> dict:
 
 
 def test_declared_own_loss_under_mirrored_strategy_matches_big_batch():
-    if LEGACY_KERAS:  # tests/conftest.py made two logical CPUs
-        gaps = _mirrored_gaps()
-    else:
-        gaps = dist_utils.on_two_cpus(
-            "tests.both.test_loss_denominator", "_mirrored_gaps"
-        )
+    gaps = dist_utils.on_two_cpus(_mirrored_gaps)
     for case, gap in gaps.items():
         utils.report(gap, f"mirrored {case}")
     assert max(gaps.values()) <= utils.ATOL, gaps

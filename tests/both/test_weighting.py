@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 from tests.flavour import LEGACY_KERAS, keras, utils
-from tests.utils import train_pair  # written on the session's Keras
+from tests.utils import token_corpus, train_pair  # written on the session's Keras
 
 B = 8  # micro-batch size
 K = 4  # accumulation steps
@@ -159,14 +159,7 @@ def _padded_corpus(seed: int = 0):
     per position and a sequence target, with micro-batch 1 (samples 8-15)
     all padding: a masked mean of that micro-batch alone divides 0 by 0,
     while every big batch still holds real tokens."""
-    rng = np.random.default_rng(seed)
-    x = np.zeros((N, PAD_LENGTH), "int32")
-    for i, length in enumerate(rng.integers(1, PAD_LENGTH + 1, size=N)):
-        x[i, :length] = rng.integers(1, PAD_VOCAB, size=length)
-    y = {
-        "tokens": rng.integers(0, PAD_VOCAB, size=(N, PAD_LENGTH)),
-        "sequence": rng.integers(0, 2, size=N),
-    }
+    x, y = token_corpus(N, PAD_LENGTH, PAD_VOCAB, seed)
     x[B : 2 * B] = 0
     return x, y
 

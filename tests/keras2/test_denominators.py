@@ -16,6 +16,7 @@ import tf_keras
 
 from tests.keras2 import utils
 from tests.keras2.utils import B, K
+from tests.utils import token_corpus
 
 VOCAB, LENGTH, N = 16, 10, 64
 
@@ -27,15 +28,7 @@ def _pretraining(regularizer=None):
 def _corpus(seed: int = 0):
     """64 sequences of 1-10 real tokens (0 pads): micro-batches with very
     different token counts."""
-    rng = np.random.default_rng(seed)
-    x = np.zeros((N, LENGTH), "int32")
-    for i, length in enumerate(rng.integers(1, LENGTH + 1, size=N)):
-        x[i, :length] = rng.integers(1, VOCAB, size=length)
-    y = {
-        "tokens": rng.integers(0, VOCAB, size=(N, LENGTH)),
-        "sequence": rng.integers(0, 2, size=N),
-    }
-    return x, y
+    return token_corpus(N, LENGTH, VOCAB, seed)
 
 
 def _losses(sequence_reduction: str = "auto"):
