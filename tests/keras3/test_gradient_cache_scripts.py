@@ -77,7 +77,13 @@ def test_a_cached_step_holds_one_slice_of_activations():
     TensorFlow runs slice 1's taped forward pass while slice 0's
     activations are held. A probe that starts the loop's counter under a
     control dependency on slice 0's gradient sums measured 1.21x (and 1.42x
-    with the default threads, against 2.07x); the bound here leaves room."""
+    with the default threads, against 2.07x). With that fix in the package
+    the ratio varies from run to run even with one thread: 0.98, 1.41 and
+    1.45x in three runs of this command on 2026-11-29 (a bound of 1.35 failed
+    once in CI). The bound sits between those and the two slices held
+    before the fix (1.83x and more), so it fails on that defect and not on
+    the spread; issue 43's 1.15x is the benchmark's to show, not this
+    test's."""
     result = run_script(
         "benchmarks/gradient_cache.py",
         "--part",
@@ -96,4 +102,4 @@ def test_a_cached_step_holds_one_slice_of_activations():
     (ratio,) = [
         float(m.group(1)) for m in map(row.match, result.stdout.splitlines()) if m
     ]
-    assert ratio <= 1.35, describe(result)
+    assert ratio <= 1.65, describe(result)
