@@ -12,6 +12,7 @@ they run once, in the Keras 3 session (a path given on the command line is
 collected in either). See ``tests/README.md``.
 """
 
+import gc
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -57,6 +58,17 @@ def _fresh_keras_state():
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+def pytest_collection_finish(session):
+    """Moves what the imports and the collected test modules made (TensorFlow,
+    Keras, the package: most of a worker's heap) out of the garbage
+    collector's reach: its full collections, which Keras' tracing triggers
+    often, then scan only what the tests make. Measured on 5 in-process test
+    files, 2 workers, runs alternated: 78.5, 79.9 and 78.9 s against 81.4
+    and 80.1 s without it."""
+    gc.collect()
+    gc.freeze()
 
 
 # Tests sharing a module-, class- or package-scoped fixture stay on one
