@@ -1,6 +1,7 @@
-"""Test-session set-up: CPU only, deterministic ops, quiet TensorFlow, a
-clean session and float32 policy for every test, in whichever Keras the
-session runs (``tests/flavour.py``).
+"""Test-session set-up: CPU only, deterministic ops, quiet TensorFlow, the
+imported heap frozen for the garbage collector, a clean session and float32
+policy for every test, in whichever Keras the session runs
+(``tests/flavour.py``).
 
 ``pytest tests`` runs, under Keras 3, the Keras 3 suite (``tests/keras3``),
 the Keras-neutral tests (``tests/core``) and the shared tests
