@@ -1,7 +1,7 @@
 """Test-session set-up: CPU only, deterministic ops, quiet TensorFlow, the
-imported heap frozen for the garbage collector, a clean session and float32
-policy for every test, in whichever Keras the session runs
-(``tests/flavour.py``).
+imported heap frozen for the garbage collector, no tf.data autotuning (Keras
+3), a clean session and float32 policy for every test, in whichever Keras the
+session runs (``tests/flavour.py``).
 
 ``pytest tests`` runs, under Keras 3, the Keras 3 suite (``tests/keras3``),
 the Keras-neutral tests (``tests/core``) and the shared tests
@@ -42,6 +42,18 @@ else:
     collect_ignore = [LEGACY_TESTS]
 
 tf.config.experimental.enable_op_determinism()
+if not LEGACY_KERAS:
+    # No tf.data autotuning in a Keras 3 session (as in the distributed
+    # workers, tests/death_worker.py): deleting an autotuned iterator waits
+    # for its tuning thread, which can sleep out its period (doubling up to
+    # 60 s) unwoken; a deleted pipeline stalled a worker for 35-44 s about
+    # once a run of the suite (gdb: in RootDataset's iterator destructor).
+    # Debug mode also runs pipeline functions eagerly, in order; the package
+    # touches no tf.data, and the examples and benchmarks, run in child
+    # processes as users run them, keep TensorFlow's default pipelines. Not
+    # in tf-keras sessions: the 0.5.x suite's per-sample maps took 92 s
+    # instead of 63 s eagerly.
+    tf.data.experimental.enable_debug_mode()
 
 
 @pytest.fixture(autouse=True)
