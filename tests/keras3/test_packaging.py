@@ -125,9 +125,12 @@ def test_wheel_installs_and_imports_in_a_fresh_venv(dist, tmp_path):
     parents = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"]])
     Path(own_site, "_parent_env.pth").write_text("\n".join(parents) + "\n")
 
+    # The wheel whatever the parent environment holds: pip sees its packages
+    # through that path, and an install of this package there (of another
+    # checkout, in a reused environment) would pass for the wheel's.
     run(
         sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
-        "--no-deps", "--no-index", wheel, cwd=tmp_path,
+        "--no-deps", "--no-index", "--ignore-installed", wheel, cwd=tmp_path,
     )  # fmt: skip
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
