@@ -295,8 +295,8 @@ def test_mwms_plain_model_fit_fails_in_keras_for_plain_models_too(mwms_probe):
     """Under MWMS, Keras 3's own ``model.fit`` fails for a plain keras.Model
     (it reduces the whole (x, y) batch with strategy.reduce, which MWMS
     rejects), and ours fails the same way (each fit in a pair of workers of
-    its own), so the MWMS tests run
-    ``train_step`` through ``strategy.run`` instead (docs/distributed.md).
+    its own), so the MWMS tests run ``train_step`` through ``strategy.run``
+    instead (docs/distributed.md).
     If a Keras release fixes fit, ours must then match the big batch."""
     _, plain = dist_utils.load(mwms_probe("model_fit_plain"), "model_fit_plain")
     weights, facts = dist_utils.load(mwms_probe("model_fit"), "model_fit")
