@@ -75,32 +75,22 @@ def backward_slices(
     :func:`forward_slices`, each slice forward again under its own tape:
     ``seeds`` are the loss's gradients with respect to the whole batch's
     outputs (None: the loss does not read that output); padded rows get a
-    zero seed. Dense sums; None for a variable no output reaches."""
+    zero seed. Dense sums; None for a variable no output reaches.
+    :func:`add_slices` hands each slice's gradients on instead."""
     n = _rows(x)
     count = (n + size - 1) // size
     seeds = list(seeds)
 
-    def grads(i):
-        rows = _indices(i * size, size, n)
-        real = tf.range(size, dtype=n.dtype) + i * size < n
-        with tf.GradientTape() as tape:
-            out = tf.nest.flatten(forward(_rows_of(x, rows)))
-        read = [(o, _seed(s, rows, real)) for o, s in zip(out, seeds) if s is not None]
-        return tape.gradient(
-            [o for o, _ in read],
-            list(variables),
-            output_gradients=[tf.cast(s, o.dtype) for o, s in read],
-        )
-
     # The first slice outside the loop: which variables get a gradient is
     # structural, and the loop carries only theirs.
-    first = grads(tf.constant(0, n.dtype))
+    zero = tf.constant(0, n.dtype)
+    first = _slice_gradients(forward, x, seeds, size, variables, zero)
     present = [i for i, g in enumerate(first) if g is not None]
     zeros = [tf.zeros(variables[i].shape, first[i].dtype) for i in present]
     sums = [plus(z, first[i], None) for z, i in zip(zeros, present)]
 
     def body(i, sums):
-        found = grads(i)
+        found = _slice_gradients(forward, x, seeds, size, variables, i)
         return i + 1, [plus(s, found[j], None) for s, j in zip(sums, present)]
 
     _, sums = tf.while_loop(
@@ -113,6 +103,53 @@ def backward_slices(
     for i, total in zip(present, sums):
         whole[i] = total
     return whole
+
+
+def add_slices(
+    forward: Forward,
+    x,
+    seeds: Sequence,
+    size: int,
+    variables: Sequence,
+    add: Callable[[list], None],
+) -> list[bool]:
+    """The gradient of :func:`backward_slices`, slice by slice: ``add`` is
+    called with each slice's gradients (None where a variable gets none) and
+    adds them where the sum is kept (an accumulator's variables, in place).
+    Only one slice's gradients are alive at a time, not also a running sum
+    as large as the weights. Returns which variables got a gradient."""
+    n = _rows(x)
+    count = (n + size - 1) // size
+    seeds = list(seeds)
+    # Structural, the same in every slice: recorded when the body is traced.
+    present: list[list[bool]] = []
+
+    def body(i):
+        grads = _slice_gradients(forward, x, seeds, size, variables, i)
+        present.append([g is not None for g in grads])
+        add(grads)
+        return (i + 1,)
+
+    tf.while_loop(
+        lambda i: i < count, body, (tf.constant(0, n.dtype),), parallel_iterations=1
+    )
+    return present[0]
+
+
+def _slice_gradients(forward: Forward, x, seeds: list, size: int, variables, i):
+    """Slice ``i``'s gradients with respect to ``variables`` of its rows of
+    ``sum(outputs * seeds)`` (see :func:`backward_slices`)."""
+    n = _rows(x)
+    rows = _indices(i * size, size, n)
+    real = tf.range(size, dtype=n.dtype) + i * size < n
+    with tf.GradientTape() as tape:
+        out = tf.nest.flatten(forward(_rows_of(x, rows)))
+    read = [(o, _seed(s, rows, real)) for o, s in zip(out, seeds) if s is not None]
+    return tape.gradient(
+        [o for o, _ in read],
+        list(variables),
+        output_gradients=[tf.cast(s, o.dtype) for o, s in read],
+    )
 
 
 class CachedTape:

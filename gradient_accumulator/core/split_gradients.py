@@ -72,7 +72,13 @@ def split_gradients(
             grads, first.weight * unscale / factor, overflowed=factor < 1.0
         )
     grads = tape.gradient(objective, variables)
-    return MicroGradients(grads, None if unscale is None else first.weight * unscale)
+    return MicroGradients(grads, group_weight(first, unscale))
+
+
+def group_weight(group: Denominator, unscale) -> tf.Tensor | None:
+    """What the engine weighs the gradients of ``group``, the only one, by:
+    None when its weight is already in the loss (``unscale`` None)."""
+    return None if unscale is None else group.weight * unscale
 
 
 def split_by_denominator(

@@ -12,11 +12,14 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
+from gradient_accumulator.core.arithmetic import overwritten
 from gradient_accumulator.core.gradient_cache import (
     CachedTape,
+    add_slices,
     backward_slices,
     forward_slices,
 )
+from gradient_accumulator.core.loss_plan import LossPlan
 from gradient_accumulator.hosts import loss_scale
 from gradient_accumulator.hosts.batch_norm import AccumBatchNorm
 
@@ -28,13 +31,16 @@ _WHY = (
 
 @dataclasses.dataclass(frozen=True)
 class CachedForward:
-    """The first pass over a batch: its outputs, and the second pass that
-    back-propagates gradients with respect to them into the weights."""
+    """The first pass over a batch: its outputs, and what the second pass,
+    which back-propagates gradients with respect to them into the weights,
+    runs."""
 
     outputs: object
     variables: list
-    backward: Callable[[list], list]
-
+    forward: Callable[[object], object]  # the model on a slice's rows
+    x: object  # the batch
+    size: int  # rows a slice
+    replay: Callable[[], None]  # the random state back to the first pass's
     gathers: bool  # "global": every replica's outputs and data, gathered
 
     def loss_inputs(self, tape: tf.GradientTape, x, y, sample_weight) -> tuple:
@@ -64,7 +70,38 @@ class CachedForward:
         """``tape`` (persistent, watching the outputs, on which the loss was
         computed) as the tape of one pass over the whole batch."""
         flat = tf.nest.flatten(self.outputs)
-        return CachedTape(tape, flat, self.variables, self.backward)
+        return CachedTape(tape, flat, self.variables, self._backward)
+
+    def add_gradients(
+        self, tape: tf.GradientTape, objective: tf.Tensor, add: Callable
+    ) -> list[bool]:
+        """The gradient of ``objective`` with respect to ``variables`` that
+        :meth:`tape` gives, handed to ``add(grads, whole)`` in parts instead:
+        the tape's own (a penalty that reads the weights directly) with
+        ``whole`` True, then each slice's with ``whole`` False, so that no sum
+        as large as the weights is kept beside the accumulator's. Returns
+        which variables got a gradient."""
+        flat = tf.nest.flatten(self.outputs)
+        found = tape.gradient(objective, [*flat, *self.variables])
+        seeds, direct = found[: len(flat)], found[len(flat) :]
+        add(direct, True)
+        present = [g is not None for g in direct]
+        if all(s is None for s in seeds):
+            return present
+        self.replay()
+        through = add_slices(
+            self.forward,
+            self.x,
+            seeds,
+            self.size,
+            self.variables,
+            lambda grads: add(grads, False),
+        )
+        return [a or b for a, b in zip(present, through)]
+
+    def _backward(self, seeds: list) -> list:
+        self.replay()
+        return backward_slices(self.forward, self.x, seeds, self.size, self.variables)
 
 
 def cached_forward(model, x) -> CachedForward:
@@ -83,15 +120,12 @@ def cached_forward(model, x) -> CachedForward:
     def forward(rows):
         return flavour.forward(model, rows)
 
-    outputs = forward_slices(forward, x, size)
-    refuse_call_losses(model)
-    variables = model.trainable_variables
-
-    def backward(seeds: list) -> list:
+    def replay() -> None:
         for state, value in zip(states, saved):
             state.assign(value)
-        return backward_slices(forward, x, seeds, size, variables)
 
+    outputs = forward_slices(forward, x, size)
+    refuse_call_losses(model)
     gathers = model._accumulation_settings.gradient_cache == "global"
     if gathers and loss_scale.scaler_of(flavour, model.optimizer) is not None:
         raise ValueError(
@@ -101,7 +135,47 @@ def cached_forward(model, x) -> CachedForward:
             "loop that only some replicas may run: not supported. Use "
             "gradient_cache=True (per-replica negatives) or float32."
         )
-    return CachedForward(outputs, variables, backward, gathers)
+    variables = model.trainable_variables
+    return CachedForward(outputs, variables, forward, x, size, replay, gathers)
+
+
+def adds_in_place(plan: LossPlan, variables) -> bool:
+    """Whether the cached gradients can go straight into the accumulator's
+    sums, slice by slice (:func:`add_in_place`): one loss denominator, no
+    backward pass redone at a smaller loss scale, no overwritten (float8)
+    variable. Otherwise the slices are summed first (``CachedForward.tape``)
+    and the sum goes the way of any micro-batch's gradients."""
+    return (
+        len(plan.groups) == 1
+        and plan.retry_scale is None
+        and not any(overwritten(v) for v in variables)
+    )
+
+
+def add_in_place(
+    model, cache: CachedForward, tape, objective, weight, count, samples
+) -> list[bool]:
+    """Adds the cached batch's gradients (see ``CachedForward.add_gradients``)
+    to ``model``'s accumulator: ``weight`` on every part, ``count`` and
+    ``samples`` once. Returns which variables got a gradient."""
+    accumulator = model._accumulator
+    variables = cache.variables
+    # After the batch is read: Keras ends an epoch of unknown length by
+    # calling the step on an exhausted iterator (see Engine.end_micro_step).
+    with tf.control_dependencies([objective]):
+        accumulator.open_sums(variables)
+
+    def add(grads: list, whole: bool) -> None:
+        accumulator.add(
+            grads,
+            variables,
+            weight=weight,
+            count=count if whole else 0.0,
+            samples=samples if whole else None,
+            empty=False,
+        )
+
+    return cache.add_gradients(tape, objective, add)
 
 
 def refuse_batch_statistics(model) -> None:

@@ -14,11 +14,17 @@ from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator.core.arithmetic import overwritten
 from gradient_accumulator.core.loss_plan import LossPlan, loss_plan
 from gradient_accumulator.core.split_gradients import (
+    MicroGradients,
+    group_weight,
     split_gradients,
 )
 from gradient_accumulator.core.weighting import at, denominators
 from gradient_accumulator.hosts import loss_scale
-from gradient_accumulator.hosts.gradient_cache import cached_forward
+from gradient_accumulator.hosts.gradient_cache import (
+    add_in_place,
+    adds_in_place,
+    cached_forward,
+)
 
 
 class MicroBatchPass(NamedTuple):
@@ -37,6 +43,10 @@ class MicroBatchPass(NamedTuple):
     parts: list
     # A bool tensor: the backward pass overflowed and was redone (or None).
     overflowed: tf.Tensor | None
+    # gradient_cache, when its slices' gradients went straight into the
+    # accumulator's sums (see hosts.gradient_cache.add_in_place): which
+    # variables got one; ``grads`` is then empty. None: ``grads`` holds them.
+    added: list[bool] | None = None
 
 
 def micro_batch_pass(
@@ -94,15 +104,22 @@ def micro_batch_pass(
         outputs = [at(structure, t.path) for t in flavour.loss_terms(model)]
     else:
         outputs = ()
-    found = split_gradients(
-        tape if cache is None else cache.tape(tape),
-        objective,
-        variables,
-        groups,
-        outputs=outputs,
-        unscale=plan.unscale,
-        retry_scale=plan.retry_scale,
-    )
+    added = None
+    if cache is not None and adds_in_place(plan, model.trainable_variables):
+        found = MicroGradients([], group_weight(groups[0], plan.unscale))
+        added = add_in_place(
+            model, cache, tape, objective, found.weight, groups[0].count, samples
+        )
+    else:
+        found = split_gradients(
+            tape if cache is None else cache.tape(tape),
+            objective,
+            variables,
+            groups,
+            outputs=outputs,
+            unscale=plan.unscale,
+            retry_scale=plan.retry_scale,
+        )
     return MicroBatchPass(
         grads=found.grads,
         variables=variables,
@@ -115,6 +132,7 @@ def micro_batch_pass(
         grad_weight=found.weight,
         parts=found.parts,
         overflowed=found.overflowed,
+        added=added,
     )
 
 

@@ -403,17 +403,28 @@ class ModelHost:
             tracker.update_state(micro.loss, sample_weight=micro.samples)
         self._add_parts(micro)
         on_apply, on_skip = loss_scale.scale_hooks(self._flavour, self.optimizer)
-        accumulator.step(
-            micro.grads,
-            micro.variables,
-            apply_fn=self._apply_fn(micro.variables),
-            weight=micro.grad_weight,
-            count=micro.count,
-            samples=micro.samples,
-            on_apply=on_apply,
-            on_skip=on_skip,
-            overflowed=micro.overflowed,
-        )
+        apply_fn = self._apply_fn(micro.variables)
+        if micro.added is not None:
+            accumulator.end_micro_step(
+                micro.variables,
+                micro.added,
+                apply_fn,
+                on_apply,
+                on_skip,
+                after=[micro.loss],
+            )
+        else:
+            accumulator.step(
+                micro.grads,
+                micro.variables,
+                apply_fn=apply_fn,
+                weight=micro.grad_weight,
+                count=micro.count,
+                samples=micro.samples,
+                on_apply=on_apply,
+                on_skip=on_skip,
+                overflowed=micro.overflowed,
+            )
         logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
         return self._with_progress(logs)
 

@@ -165,6 +165,47 @@ def test_a_coupled_loss_trains_as_the_whole_batch(case, optimizer):
     )
 
 
+@pytest.mark.parametrize("run_eagerly", [False, True])
+def test_a_weight_penalty_and_eager_steps_train_as_the_whole_batch(run_eagerly):
+    """A kernel penalty reaches the weights directly, beside the slices'
+    backward pass; run eagerly, the slice loops run as Python loops."""
+
+    def model(wrapper=None, **settings):
+        keras.utils.set_random_seed(1)
+        penalty = keras.regularizers.L2(0.05)
+        query, candidate = keras.Input((D,)), keras.Input((D,))
+        a = keras.layers.Dense(E, kernel_regularizer=penalty)(query)
+        b = keras.layers.Dense(E, use_bias=False)(candidate)
+        outputs = keras.layers.Concatenate()([a, b])
+        if wrapper is None:
+            return keras.Model([query, candidate], outputs)
+        return wrapper(inputs=[query, candidate], outputs=outputs, **settings)
+
+    def fit(model):
+        query, candidate, weights, _ = batches()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.1),
+            loss=in_batch_softmax,
+            run_eagerly=run_eagerly,
+        )
+        model.fit(
+            [query, candidate],
+            np.zeros((len(query), 1), "float32"),
+            sample_weight=weights,
+            batch_size=N,
+            shuffle=False,
+            verbose=0,
+        )
+        return model.get_weights()
+
+    plain = fit(model())
+    cached = fit(
+        model(GradientAccumulateModel, micro_batch_size=SLICE, gradient_cache=True)
+    )
+    assert max_abs_diff(plain, cached) <= TOL
+    assert max_abs_diff(plain, model().get_weights()) > 1e-3
+
+
 def in_batch_softmax_per_half(y_true, y_pred):
     """The in-batch softmax within each half of a batch of 2N: the big batch
     of two coupled batches of N, accumulated."""

@@ -1,9 +1,9 @@
 """``core/gradient_cache.py`` on exact small numbers: slices run forward
 and concatenated are the whole batch's outputs (with their Keras masks);
 the output gradients back-propagated slice by slice are the whole batch's
-weight gradient; :class:`CachedTape` gives what one tape over the whole
-batch gives, for a loss that couples the rows and a penalty that reads the
-weights directly."""
+weight gradient, summed in the loop or handed on slice by slice;
+:class:`CachedTape` gives what one tape over the whole batch gives, for a
+loss that couples the rows and a penalty that reads the weights directly."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import tensorflow as tf
 from gradient_accumulator.core._tf_compat import keras_mask, with_keras_mask
 from gradient_accumulator.core.gradient_cache import (
     CachedTape,
+    add_slices,
     backward_slices,
     forward_slices,
 )
@@ -20,6 +21,7 @@ from gradient_accumulator.core.gradient_cache import (
 X = np.arange(14, dtype="float32").reshape(7, 2) - 6.0  # 7 rows: slices 3, 3, 1
 W = tf.Variable([[1.0, -2.0], [0.5, 3.0]])
 V = tf.Variable([2.0, -1.0])  # reached by no output: no gradient
+SEEDS = np.arange(14, dtype="float32").reshape(7, 2) % 5 - 2.0  # of "y"
 
 
 def forward(rows):
@@ -50,12 +52,40 @@ def test_forward_slices_carry_keras_masks():
 
 def test_backward_slices_sum_to_the_whole_batch_gradient():
     """d sum(y * S) / dW = X^T S, exactly, in slices of 3, 3 and 1."""
-    seeds = np.arange(14, dtype="float32").reshape(7, 2) % 5 - 2.0
     grads = backward_slices(
-        forward, tf.constant(X), [None, tf.constant(seeds)], 3, [W, V]
+        forward, tf.constant(X), [None, tf.constant(SEEDS)], 3, [W, V]
     )
-    np.testing.assert_array_equal(grads[0].numpy(), X.T @ seeds)
+    np.testing.assert_array_equal(grads[0].numpy(), X.T @ SEEDS)
     assert grads[1] is None
+
+
+def test_add_slices_hands_on_each_slice_once():
+    """Eager, each slice's own X_s^T S_s (the padded row of the last
+    slice adds nothing); traced, the same sum in the variable."""
+    handed = []
+    present = add_slices(
+        forward, tf.constant(X), [None, tf.constant(SEEDS)], 3, [W, V], handed.append
+    )
+    assert present == [True, False]
+    assert [g[1] for g in handed] == [None, None, None]
+    for grads, rows in zip(handed, (slice(0, 3), slice(3, 6), slice(6, 7))):
+        np.testing.assert_array_equal(grads[0].numpy(), X[rows].T @ SEEDS[rows])
+
+    total = tf.Variable(tf.zeros([2, 2]))
+
+    @tf.function
+    def traced():
+        add_slices(
+            forward,
+            tf.constant(X),
+            [None, tf.constant(SEEDS)],
+            3,
+            [W, V],
+            lambda grads: total.assign_add(grads[0]),
+        )
+        return total.read_value()
+
+    np.testing.assert_array_equal(traced().numpy(), X.T @ SEEDS)
 
 
 def test_cached_tape_gives_the_one_tape_gradient():
