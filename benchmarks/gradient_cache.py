@@ -13,9 +13,9 @@ Time (this process, TensorFlow's default CPU allocator)
     * ``plain N``: plain Keras on the whole batch of N (the reference);
     * ``cached n``: the cached wrapper fed batches of N in slices of n, for
       each ``--slices`` n;
-    * ``in-step n, no cache``: ``micro_batch_size=n`` alone (not exact for
-      this loss: each slice sees n negatives), what slicing costs without
-      the second forward pass.
+    * ``in-step n, no cache``: ``micro_batch_size=n`` alone, for each
+      ``--slices`` n (not exact for this loss: each slice sees n
+      negatives), what slicing costs without the second forward pass.
 
     ``model.train_function`` is called directly (as ``overhead.py`` does),
     ``--steps`` steps per variant per round, variants interleaved in a
@@ -167,7 +167,7 @@ def time_variants(args) -> list[Timed]:
     x, y = batch(shape, args.batch)
     specs = [(f"plain {args.batch}", None, False)]
     specs += [(f"cached {n}", n, True) for n in args.slices]
-    specs += [(f"in-step {n}, no cache", n, False) for n in args.slices[-1:]]
+    specs += [(f"in-step {n}, no cache", n, False) for n in args.slices]
     return [Timed(name, build(shape, tower, n, c), x, y) for name, n, c in specs]
 
 
