@@ -99,13 +99,8 @@ def micro_batch_pass(
         objective = flavour.scale_loss(model.optimizer, objective)
     variables = model.trainable_variables
     groups = plan.groups
-    if len(groups) > 1:
-        structure = flavour.term_outputs(y_pred)
-        outputs = [at(structure, t.path) for t in flavour.loss_terms(model)]
-    else:
-        outputs = ()
     added = None
-    if cache is not None and adds_in_place(plan, model.trainable_variables):
+    if cache is not None and adds_in_place(plan, variables):
         found = MicroGradients([], group_weight(groups[0], plan.unscale))
         added = add_in_place(
             model, cache, tape, objective, found.weight, groups[0].count, samples
@@ -116,7 +111,7 @@ def micro_batch_pass(
             objective,
             variables,
             groups,
-            outputs=outputs,
+            outputs=_term_outputs(model, y_pred) if len(groups) > 1 else (),
             unscale=plan.unscale,
             retry_scale=plan.retry_scale,
         )
@@ -133,6 +128,39 @@ def micro_batch_pass(
         parts=found.parts,
         overflowed=found.overflowed,
         added=added,
+    )
+
+
+def _term_outputs(model, y_pred) -> list:
+    """The model output each compiled loss term reads."""
+    structure = model._flavour.term_outputs(y_pred)
+    return [at(structure, t.path) for t in model._flavour.loss_terms(model)]
+
+
+def end_micro_step(model, micro: MicroBatchPass):
+    """Hands ``micro`` to ``model``'s accumulator, which applies and resets
+    at the end of a cycle: its gradients, or, when they are in the sums
+    already (``micro.added``), the end of its micro-step."""
+    flavour, accumulator = model._flavour, model._accumulator
+    on_apply, on_skip = loss_scale.scale_hooks(flavour, model.optimizer)
+    apply_fn = model._apply_fn(micro.variables)
+    if micro.added is not None:
+        # The state changes wait for the micro-batch (see end_micro_step).
+        after = [micro.loss]
+        accumulator.end_micro_step(
+            micro.variables, micro.added, apply_fn, on_apply, on_skip, after=after
+        )
+        return
+    accumulator.step(
+        micro.grads,
+        micro.variables,
+        apply_fn=apply_fn,
+        weight=micro.grad_weight,
+        count=micro.count,
+        samples=micro.samples,
+        on_apply=on_apply,
+        on_skip=on_skip,
+        overflowed=micro.overflowed,
     )
 
 

@@ -31,6 +31,7 @@ from gradient_accumulator.hosts.in_step import in_step_train_step
 from gradient_accumulator.hosts.micro_batch import (
     MicroBatchPass,
     computes_own_loss,
+    end_micro_step,
     micro_batch_pass,
 )
 from gradient_accumulator.hosts.partial_cycles import (
@@ -394,7 +395,6 @@ class ModelHost:
             return self._in_step_train_step(data)
         if self._runs_keras_step:
             return super().train_step(data)
-        accumulator = self._accumulator
         unpack = self._flavour.keras.utils.unpack_x_y_sample_weight
         x, y, sample_weight = unpack(data)
         micro = self._micro_batch_pass(x, y, sample_weight)
@@ -402,29 +402,7 @@ class ModelHost:
         if tracker is not None:
             tracker.update_state(micro.loss, sample_weight=micro.samples)
         self._add_parts(micro)
-        on_apply, on_skip = loss_scale.scale_hooks(self._flavour, self.optimizer)
-        apply_fn = self._apply_fn(micro.variables)
-        if micro.added is not None:
-            accumulator.end_micro_step(
-                micro.variables,
-                micro.added,
-                apply_fn,
-                on_apply,
-                on_skip,
-                after=[micro.loss],
-            )
-        else:
-            accumulator.step(
-                micro.grads,
-                micro.variables,
-                apply_fn=apply_fn,
-                weight=micro.grad_weight,
-                count=micro.count,
-                samples=micro.samples,
-                on_apply=on_apply,
-                on_skip=on_skip,
-                overflowed=micro.overflowed,
-            )
+        end_micro_step(self, micro)
         logs = self.compute_metrics(x, y, micro.y_pred, sample_weight=sample_weight)
         return self._with_progress(logs)
 
