@@ -40,7 +40,7 @@ Method
     epoch (which traces its train step) after all were built. Then, for
     ``--rounds`` rounds, each variant runs one ``fit`` call of
     ``--epochs-per-round`` epochs (``verbose=0``, ``shuffle=False``), the
-    variants in a rotated order (round r starts at variant r mod 8). Timed
+    variants in a rotated order (round r starts at variant r modulo their number). Timed
     per call with ``time.perf_counter`` (wall) and ``time.process_time``
     (this process' CPU, all threads) and divided by the epochs.
 
